@@ -1,0 +1,207 @@
+//! The body types the layer hands to the inner service and back to the client.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+pin_project! {
+    /// The request body seen by the inner service.
+    ///
+    /// Requests the layer does not cover pass their body through untouched. Keyed requests
+    /// were read in full (to fingerprint them before the handler runs); their body is replayed
+    /// from the buffered chunks without copying them.
+    pub struct RequestBody<B> {
+        #[pin]
+        kind: RequestKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = RequestKindProj]
+    enum RequestKind<B> {
+        Passthrough { #[pin] body: B },
+        Buffered { chunks: VecDeque<Bytes>, trailers: Option<HeaderMap>, remaining: u64 },
+    }
+}
+
+impl<B> RequestBody<B> {
+    pub(crate) fn passthrough(body: B) -> Self {
+        Self {
+            kind: RequestKind::Passthrough { body },
+        }
+    }
+
+    pub(crate) fn buffered(chunks: VecDeque<Bytes>, trailers: Option<HeaderMap>) -> Self {
+        let remaining = chunks.iter().map(|c| c.len() as u64).sum();
+        Self {
+            kind: RequestKind::Buffered {
+                chunks,
+                trailers,
+                remaining,
+            },
+        }
+    }
+}
+
+impl<B> std::fmt::Debug for RequestBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestBody").finish_non_exhaustive()
+    }
+}
+
+impl<B: Body<Data = Bytes>> Body for RequestBody<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        match self.project().kind.project() {
+            RequestKindProj::Passthrough { body } => body.poll_frame(cx),
+            RequestKindProj::Buffered {
+                chunks,
+                trailers,
+                remaining,
+            } => Poll::Ready(match chunks.pop_front() {
+                Some(chunk) => {
+                    *remaining -= chunk.len() as u64;
+                    Some(Ok(Frame::data(chunk)))
+                }
+                None => trailers.take().map(|t| Ok(Frame::trailers(t))),
+            }),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            RequestKind::Passthrough { body } => body.is_end_stream(),
+            RequestKind::Buffered {
+                chunks, trailers, ..
+            } => chunks.is_empty() && trailers.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            RequestKind::Passthrough { body } => body.size_hint(),
+            RequestKind::Buffered { remaining, .. } => SizeHint::with_exact(*remaining),
+        }
+    }
+}
+
+pin_project! {
+    /// The response body the layer returns.
+    ///
+    /// Either the handler's own body (passthrough, or an answer too large to store whose
+    /// buffered head is sent first), or a complete body (a replay, a rejection, or a handler
+    /// answer that was buffered to be stored).
+    pub struct ResponseBody<B: Body> {
+        #[pin]
+        kind: ResponseKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = ResponseKindProj]
+    enum ResponseKind<B: Body> {
+        Inner { #[pin] body: B },
+        Full { data: Option<Bytes> },
+        Prefixed { head: VecDeque<Bytes>, rest: Pin<Box<B>> },
+        Failed { head: VecDeque<Bytes>, error: Option<B::Error> },
+    }
+}
+
+impl<B: Body> ResponseBody<B> {
+    pub(crate) fn inner(body: B) -> Self {
+        Self {
+            kind: ResponseKind::Inner { body },
+        }
+    }
+
+    pub(crate) fn full(data: Bytes) -> Self {
+        Self {
+            kind: ResponseKind::Full {
+                data: (!data.is_empty()).then_some(data),
+            },
+        }
+    }
+
+    pub(crate) fn prefixed(head: VecDeque<Bytes>, rest: Pin<Box<B>>) -> Self {
+        Self {
+            kind: ResponseKind::Prefixed { head, rest },
+        }
+    }
+
+    pub(crate) fn failed(head: VecDeque<Bytes>, error: B::Error) -> Self {
+        Self {
+            kind: ResponseKind::Failed {
+                head,
+                error: Some(error),
+            },
+        }
+    }
+}
+
+impl<B: Body> std::fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseBody").finish_non_exhaustive()
+    }
+}
+
+impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        match self.project().kind.project() {
+            ResponseKindProj::Inner { body } => body.poll_frame(cx),
+            ResponseKindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            ResponseKindProj::Prefixed { head, rest } => match head.pop_front() {
+                Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
+                None => rest.as_mut().poll_frame(cx),
+            },
+            ResponseKindProj::Failed { head, error } => Poll::Ready(match head.pop_front() {
+                Some(chunk) => Some(Ok(Frame::data(chunk))),
+                None => error.take().map(Err),
+            }),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            ResponseKind::Inner { body } => body.is_end_stream(),
+            ResponseKind::Full { data } => data.is_none(),
+            ResponseKind::Prefixed { head, rest } => head.is_empty() && rest.is_end_stream(),
+            ResponseKind::Failed { head, error } => head.is_empty() && error.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            ResponseKind::Inner { body } => body.size_hint(),
+            ResponseKind::Full { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            ResponseKind::Prefixed { head, rest } => {
+                let h: u64 = head.iter().map(|c| c.len() as u64).sum();
+                let r = rest.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(r.lower() + h);
+                if let Some(u) = r.upper() {
+                    hint.set_upper(u + h);
+                }
+                hint
+            }
+            ResponseKind::Failed { .. } => SizeHint::default(),
+        }
+    }
+}

@@ -1,0 +1,38 @@
+//! Store errors.
+
+use std::error::Error as StdError;
+
+/// A boxed error, the cause carried by [`StoreError::Backend`].
+pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// An error from an idempotency store.
+///
+/// The layer never turns a store error into a service error: it answers `503 Service
+/// Unavailable` (before the handler runs) or logs it (after), as the crate docs describe.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The backend failed: a connection, a query, a pool timeout. The cause is kept.
+    #[error("idempotency store backend failed")]
+    Backend(#[source] BoxError),
+    /// A stored record could not be decoded.
+    #[error("stored idempotency record is corrupt: {0}")]
+    Corrupt(String),
+    /// The store's schema is missing or older than this crate needs (run `migrate()`).
+    #[error("idempotency store schema is not ready: {0}")]
+    Schema(String),
+}
+
+impl StoreError {
+    /// Wraps a backend error.
+    pub fn backend(err: impl Into<BoxError>) -> Self {
+        Self::Backend(err.into())
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl From<sqlx::Error> for StoreError {
+    fn from(err: sqlx::Error) -> Self {
+        Self::Backend(Box::new(err))
+    }
+}

@@ -1,0 +1,46 @@
+//! The axum extractor for [`IdempotencyKey`] (feature `axum`).
+
+use axum_core::extract::{FromRequestParts, OptionalFromRequestParts};
+use axum_core::response::{IntoResponse, Response};
+use http::StatusCode;
+use http::request::Parts;
+
+use crate::key::IdempotencyKey;
+
+/// Rejection of the [`IdempotencyKey`] extractor: the request did not pass through an
+/// [`IdempotencyLayer`](crate::IdempotencyLayer) that found a key.
+///
+/// This is a server bug (a handler that needs the key on a route the layer does not cover),
+/// so it answers `500`. Extract `Option<IdempotencyKey>` where the key is optional.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("no idempotency key in request extensions: is the route behind IdempotencyLayer?")]
+pub struct MissingIdempotencyKey;
+
+impl IntoResponse for MissingIdempotencyKey {
+    fn into_response(self) -> Response {
+        (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
+    type Rejection = MissingIdempotencyKey;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<IdempotencyKey>()
+            .cloned()
+            .ok_or(MissingIdempotencyKey)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyKey {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<IdempotencyKey>().cloned())
+    }
+}

@@ -1,0 +1,96 @@
+//! The response future of [`Idempotency`](crate::Idempotency).
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use http::Response;
+use http_body::Body;
+use pin_project_lite::pin_project;
+
+use crate::body::ResponseBody;
+
+pub(crate) type BoxResponseFuture<B, E> =
+    Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
+
+pin_project! {
+    /// Response future for [`Idempotency`](crate::Idempotency).
+    ///
+    /// Requests the layer does not cover, and requests it rejects before touching the store
+    /// (no key, a malformed key), are served without allocating; keyed requests run in one
+    /// boxed future.
+    pub struct ResponseFuture<F, B: Body, E> {
+        #[pin]
+        kind: Kind<F, B, E>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F, B: Body, E> {
+        Passthrough { #[pin] future: F },
+        Keyed { future: BoxResponseFuture<B, E> },
+        Ready { response: Option<Response<ResponseBody<B>>> },
+    }
+}
+
+impl<F, B: Body, E> ResponseFuture<F, B, E> {
+    pub(crate) fn passthrough(future: F) -> Self {
+        Self {
+            kind: Kind::Passthrough { future },
+        }
+    }
+
+    pub(crate) fn keyed(future: BoxResponseFuture<B, E>) -> Self {
+        Self {
+            kind: Kind::Keyed { future },
+        }
+    }
+
+    pub(crate) fn ready(response: Response<ResponseBody<B>>) -> Self {
+        Self {
+            kind: Kind::Ready {
+                response: Some(response),
+            },
+        }
+    }
+}
+
+impl<F, B: Body, E> fmt::Debug for ResponseFuture<F, B, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.kind {
+            Kind::Passthrough { .. } => "Passthrough",
+            Kind::Keyed { .. } => "Keyed",
+            Kind::Ready { .. } => "Ready",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("kind", &kind)
+            .finish()
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, B, E>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+    B: Body,
+{
+    type Output = Result<Response<ResponseBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Passthrough { future } => {
+                let res = ready!(future.poll(cx))?;
+                Poll::Ready(Ok(res.map(ResponseBody::inner)))
+            }
+            KindProj::Keyed { future } => future.as_mut().poll(cx),
+            KindProj::Ready { response } => {
+                // Polling a future after it returned Ready is a caller bug; every Tower and
+                // hyper driver stops at the first Ready.
+                #[allow(clippy::expect_used)]
+                let res = response.take().expect("ResponseFuture polled after completion");
+                Poll::Ready(Ok(res))
+            }
+        }
+    }
+}

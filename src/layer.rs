@@ -1,0 +1,226 @@
+//! [`IdempotencyLayer`] and its configuration.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Method, Response, request::Parts};
+use tower_layer::Layer;
+
+use crate::rejection::Rejection;
+use crate::service::Idempotency;
+
+/// The default header: `Idempotency-Key`.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type RejectionFn = dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync;
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) header: HeaderName,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) key_required: bool,
+    pub(crate) lease: Duration,
+    pub(crate) ttl: Duration,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) store_server_errors: bool,
+    pub(crate) keep_set_cookie: bool,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) scope: Option<Arc<ScopeFn>>,
+    pub(crate) rejection: Option<Arc<RejectionFn>>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            header: IDEMPOTENCY_KEY,
+            methods: vec![Method::POST, Method::PATCH],
+            key_required: true,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(24 * 3600),
+            max_request_body: 1024 * 1024,
+            max_response_body: 1024 * 1024,
+            store_server_errors: false,
+            keep_set_cookie: false,
+            fingerprint_headers: Vec::new(),
+            scope: None,
+            rejection: None,
+        }
+    }
+}
+
+impl Config {
+    pub(crate) fn covers(&self, method: &Method) -> bool {
+        self.methods.iter().any(|m| m == method)
+    }
+
+    pub(crate) fn reject(&self, rejection: &Rejection) -> Response<Bytes> {
+        match &self.rejection {
+            Some(f) => f(rejection),
+            None => rejection.to_response(),
+        }
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("header", &self.header)
+            .field("methods", &self.methods)
+            .field("key_required", &self.key_required)
+            .field("lease", &self.lease)
+            .field("ttl", &self.ttl)
+            .field("max_request_body", &self.max_request_body)
+            .field("max_response_body", &self.max_response_body)
+            .field("store_server_errors", &self.store_server_errors)
+            .field("keep_set_cookie", &self.keep_set_cookie)
+            .field("fingerprint_headers", &self.fingerprint_headers)
+            .field("scope", &self.scope.is_some())
+            .field("rejection", &self.rejection.is_some())
+            .finish()
+    }
+}
+
+/// Applies [`Idempotency`] to a service: retries of a request with the same idempotency key
+/// run the handler once and get the same answer.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new())
+///     // Keys are per tenant: no client can replay another's answer.
+///     .with_scope(|parts| {
+///         parts.headers.get("x-tenant-id")?.to_str().ok().map(str::to_owned)
+///     })
+///     .with_ttl(Duration::from_secs(24 * 3600))
+///     .with_lease(Duration::from_secs(30));
+/// # let _ = layer;
+/// ```
+///
+/// See the [crate documentation](crate) for the behaviour and every setting's default.
+#[derive(Clone, Debug)]
+pub struct IdempotencyLayer<St> {
+    store: St,
+    config: Arc<Config>,
+}
+
+impl<St> IdempotencyLayer<St> {
+    /// A layer that keeps its keys in `store`, with the default settings.
+    pub fn new(store: St) -> Self {
+        Self {
+            store,
+            config: Arc::new(Config::default()),
+        }
+    }
+
+    /// The store this layer uses.
+    pub fn store(&self) -> &St {
+        &self.store
+    }
+
+    fn with(mut self, f: impl FnOnce(&mut Config)) -> Self {
+        f(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// The header that carries the key. Default `Idempotency-Key`; a webhook receiver may use
+    /// `webhook-id` (Standard Webhooks) or `X-GitHub-Delivery`.
+    pub fn with_header(self, header: HeaderName) -> Self {
+        self.with(|c| c.header = header)
+    }
+
+    /// The methods the layer covers. Default `POST` and `PATCH`; requests with other methods
+    /// pass through untouched, without allocation or store access.
+    pub fn with_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.with(|c| c.methods = methods.into_iter().collect())
+    }
+
+    /// Whether a covered request without a key is rejected with `400` (default `true`) or
+    /// passed through unprotected (`false`).
+    pub fn with_key_required(self, required: bool) -> Self {
+        self.with(|c| c.key_required = required)
+    }
+
+    /// How long a claim holds a key before another request may take it over (default 30 s).
+    ///
+    /// While the handler runs, the layer renews the lease every third of it, so a slow handler
+    /// is never taken over while its process is alive; the lease only runs out when the
+    /// process dies or loses the store. Choose it longer than a renewal can take.
+    pub fn with_lease(self, lease: Duration) -> Self {
+        self.with(|c| c.lease = lease.max(Duration::from_millis(10)))
+    }
+
+    /// How long a key is remembered (default 24 h). After it, the key counts as new.
+    pub fn with_ttl(self, ttl: Duration) -> Self {
+        self.with(|c| c.ttl = ttl)
+    }
+
+    /// The largest request body accepted on a keyed request, in bytes (default 1 MiB).
+    /// Larger bodies are answered `413` and nothing is stored.
+    pub fn with_max_request_body(self, bytes: usize) -> Self {
+        self.with(|c| c.max_request_body = bytes)
+    }
+
+    /// The largest response body stored for replay, in bytes (default 1 MiB).
+    ///
+    /// A larger answer still reaches the client whole (the buffered head, then the rest as the
+    /// handler streams it). Its key is completed with the status and headers only, so a
+    /// repeat never runs the handler again: it is answered `409` with a problem document of
+    /// type `response-not-stored` that names the original status.
+    pub fn with_max_response_body(self, bytes: usize) -> Self {
+        self.with(|c| c.max_response_body = bytes)
+    }
+
+    /// Whether `5xx` answers are stored and replayed (default `false`: the key is released,
+    /// so a retry runs the handler again — the handler failed, and retrying is what the client
+    /// should do).
+    pub fn with_store_server_errors(self, store: bool) -> Self {
+        self.with(|c| c.store_server_errors = store)
+    }
+
+    /// Whether `Set-Cookie` headers are stored and replayed (default `false`; see
+    /// [`is_replayable_header`](crate::response::is_replayable_header)).
+    pub fn with_replayed_set_cookie(self, keep: bool) -> Self {
+        self.with(|c| c.keep_set_cookie = keep)
+    }
+
+    /// Request headers whose values are part of the fingerprint, in addition to the method,
+    /// path, query and body (default none). Name headers that change what the request does,
+    /// such as `Content-Type` or an API version header.
+    pub fn with_fingerprint_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.with(|c| c.fingerprint_headers = headers.into_iter().collect())
+    }
+
+    /// Derives the scope of a request's key: the tenant, API key or authenticated principal.
+    ///
+    /// Records are stored per (scope, key), so two clients that send the same key never see
+    /// each other's answers. `None` (and the default, no scope function) is the shared scope,
+    /// the same as `Some("")`. See the Security section of the crate docs: set this.
+    pub fn with_scope<F>(self, scope: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.with(|c| c.scope = Some(Arc::new(scope)))
+    }
+
+    /// Renders the layer's own answers (400, 409, 413, 422, 503) differently. The default
+    /// is [`Rejection::to_response`].
+    pub fn with_rejection_handler<F>(self, render: F) -> Self
+    where
+        F: Fn(&Rejection) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.with(|c| c.rejection = Some(Arc::new(render)))
+    }
+}
+
+impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
+    type Service = Idempotency<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::new(inner, self.store.clone(), self.config.clone())
+    }
+}

@@ -1,0 +1,227 @@
+//! Idempotency-Key middleware for Tower and axum: a client that retries a `POST` (a timeout,
+//! a lost response, a double click) gets the answer of the first attempt instead of a second
+//! charge, email or shipment.
+//!
+//! # Quick start
+//!
+//! ```
+//! use axum::{Router, routing::post};
+//! use tower_idempotency::{IdempotencyKey, IdempotencyLayer, MemoryStore};
+//!
+//! async fn create_payment(key: IdempotencyKey, body: String) -> (http::StatusCode, String) {
+//!     // Runs once per key; retries get this exact answer back.
+//!     (http::StatusCode::CREATED, format!("paid with {key}: {body}"))
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let app = Router::new()
+//!     .route("/payments", post(create_payment))
+//!     .layer(
+//!         IdempotencyLayer::new(MemoryStore::new())
+//!             // Scope keys per tenant, so no client can replay another's answer.
+//!             .with_scope(|req| {
+//!                 req.headers.get("authorization")?.to_str().ok().map(str::to_owned)
+//!             }),
+//!     );
+//! # use tower::ServiceExt;
+//! # let req = || http::Request::post("/payments")
+//! #     .header("idempotency-key", "k1").body(axum::body::Body::from("x")).unwrap();
+//! # let first = app.clone().oneshot(req()).await.unwrap();
+//! # assert_eq!(first.status(), 201);
+//! # let again = app.oneshot(req()).await.unwrap();
+//! # assert_eq!(again.headers()["idempotent-replayed"], "true");
+//! // axum::serve(listener, app).await?;
+//! # }
+//! ```
+//!
+//! For several instances of a service, keep the keys in Postgres with [`PostgresStore`]
+//! (feature `postgres`, on by default).
+//!
+//! # How it works
+//!
+//! For each request whose method is covered (default `POST` and `PATCH`), the layer reads the
+//! `Idempotency-Key` header (draft-ietf-httpapi-idempotency-key-header-07), reads the body
+//! (up to a limit) and computes a SHA-256 [`Fingerprint`] of the method, path, query and body.
+//! Then it **claims** the key in the store, in one atomic operation, which finds the key in
+//! one of these states:
+//!
+//! | state of (scope, key) | answer |
+//! |---|---|
+//! | absent, or expired (older than the TTL) | the key is claimed *in progress* under a lease; the handler runs |
+//! | in progress, lease running | `409 Conflict` with `Retry-After`; handler not run |
+//! | in progress, lease ran out (its process died) | taken over with a new fencing token; the handler runs |
+//! | completed | the stored status, headers and body replayed with `Idempotent-Replayed: true`; handler not run |
+//! | any, with another fingerprint | `422 Unprocessable Content`; handler not run; record unchanged |
+//!
+//! When the handler answers, the layer stores its answer (2xx, 3xx and 4xx; 5xx only with
+//! [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors)) and the key
+//! becomes *completed* for the TTL. A `5xx`, a handler error, a panic or a dropped request
+//! future (the client went away) **releases** the key, so a retry runs the handler again.
+//! While the handler runs, the layer renews the lease every third of it; a lease only runs
+//! out when the process running the handler dies. Completing and releasing need the claim's
+//! fencing token, so a request whose key was taken over can never overwrite the new owner's
+//! result.
+//!
+//! | request | answer |
+//! |---|---|
+//! | covered method, no key (key required, the default) | `400`; with [`with_key_required(false)`](IdempotencyLayer::with_key_required) passed through unprotected |
+//! | key empty, over 255 characters, not visible ASCII, or badly quoted | `400` |
+//! | key as a quoted string (`"abc"`) or bare (`abc`) | accepted; the same key |
+//! | the key header more than once | `400` |
+//! | body over the limit (default 1 MiB) | `413`; nothing stored |
+//! | store unreachable | `503` with `Retry-After: 1`; handler not run (fail closed) |
+//! | method not covered (`GET`, `HEAD`, `OPTIONS`, `PUT`, `DELETE` by default) | passed through untouched: no allocation, no store access |
+//!
+//! Every answer of the layer's own is an RFC 9457 `application/problem+json` document; see
+//! [`problems`] and [`Rejection`].
+//!
+//! ## When storing the answer fails
+//!
+//! If the store fails *after* the handler ran, the client still gets the handler's real
+//! answer and the failure is logged as an error. The key is not released (the work was done)
+//! but left to its lease: a retry in that window gets `409`, a retry after it runs the handler
+//! again. Handlers whose work leaves the database should pass a [derived
+//! key](IdempotencyKey::derive) on, so the other side deduplicates that retry.
+//!
+//! ## Responses too large to store
+//!
+//! Answers whose body exceeds [`with_max_response_body`](IdempotencyLayer::with_max_response_body)
+//! (default 1 MiB) still reach the client whole. The key is completed with the status and
+//! headers only; a repeat is answered `409` with a problem of type `response-not-stored`
+//! carrying `original_status`, and the handler is never run twice.
+//!
+//! ## Replayed headers
+//!
+//! Replays carry the stored headers except hop-by-hop headers, `Date` (a replay is a new
+//! message), `Content-Length` (recomputed) and, by default, `Set-Cookie`: a cookie is usually
+//! a credential, and replaying it hands it to whoever retries with the key. Response trailers
+//! are not stored.
+//!
+//! # Stores
+//!
+//! - [`MemoryStore`]: in-process, for development, tests and single-process services.
+//! - [`PostgresStore`]: one table shared by every instance; run
+//!   [`migrate`](PostgresStore::migrate) at start. Times are computed by Postgres, so
+//!   instances with skewed clocks agree. A replay costs one statement, a first request two.
+//! - Your own: implement [`Store`].
+//!
+//! Expired keys are deleted by [`Store::purge_expired`] in bounded batches; [`spawn_purge_task`]
+//! runs it periodically.
+//!
+//! # Configuration
+//!
+//! | setter | default |
+//! |---|---|
+//! | [`with_header`](IdempotencyLayer::with_header) | `Idempotency-Key` |
+//! | [`with_methods`](IdempotencyLayer::with_methods) | `POST`, `PATCH` |
+//! | [`with_key_required`](IdempotencyLayer::with_key_required) | `true` |
+//! | [`with_scope`](IdempotencyLayer::with_scope) | none (one shared scope) |
+//! | [`with_lease`](IdempotencyLayer::with_lease) | 30 s |
+//! | [`with_ttl`](IdempotencyLayer::with_ttl) | 24 h |
+//! | [`with_max_request_body`](IdempotencyLayer::with_max_request_body) | 1 MiB |
+//! | [`with_max_response_body`](IdempotencyLayer::with_max_response_body) | 1 MiB |
+//! | [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors) | `false` |
+//! | [`with_replayed_set_cookie`](IdempotencyLayer::with_replayed_set_cookie) | `false` |
+//! | [`with_fingerprint_headers`](IdempotencyLayer::with_fingerprint_headers) | none |
+//! | [`with_rejection_handler`](IdempotencyLayer::with_rejection_handler) | problem+json |
+//!
+//! # Layer ordering
+//!
+//! Put authentication **outside** (before) this layer, so the scope function sees the
+//! authenticated principal and unauthenticated requests never claim keys. Put body-limit and
+//! decompression layers outside too, so the fingerprint covers the body the handler sees.
+//! With axum, [`Router::layer`](https://docs.rs/axum/latest/axum/struct.Router.html#method.layer)
+//! wraps every route; `route_layer` only matched routes (so unknown paths answer `404`, not
+//! `400`).
+//!
+//! # Handlers
+//!
+//! The layer inserts the [`IdempotencyKey`] into the request's extensions; with the `axum`
+//! feature it is also an extractor (`IdempotencyKey`, or `Option<IdempotencyKey>`). Use
+//! [`IdempotencyKey::derive`] to pass a key on to a payment provider: `<key>:charge`.
+//!
+//! # Security
+//!
+//! - **Always set a scope.** Without [`with_scope`](IdempotencyLayer::with_scope) all
+//!   clients share one key space: a client that learns or guesses another's key gets that
+//!   client's stored answer (which may hold personal or payment data), and can block another
+//!   client's request with `409`/`422`. Derive the scope from the authenticated principal
+//!   (never from a header the client can set freely) and authenticate before this layer.
+//! - Keys should be unguessable (a UUIDv4 or 128 random bits); the layer cannot enforce it.
+//! - Stored answers are kept for the TTL in the store: protect the store like the data
+//!   itself, and keep the TTL no longer than clients retry.
+//! - `Set-Cookie` is not replayed by default (see above).
+//! - Bodies are read up to the request limit before the handler runs; keep it small.
+//!
+//! # Observability
+//!
+//! Each keyed request runs in a `tracing` span `idempotency` with the key and an `outcome`
+//! field (`executed`, `takeover`, `replayed`, `in_flight`, `mismatch`, `store_error`,
+//! `rejected`). With the `metrics` feature the same outcomes are counted in
+//! `tower_idempotency_requests_total{outcome}`; watch the replay rate to see how often your
+//! clients retry.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod body;
+mod error;
+#[cfg(feature = "axum")]
+mod extract;
+pub mod fingerprint;
+pub mod future;
+mod key;
+mod layer;
+pub mod rejection;
+pub mod response;
+mod service;
+pub mod store;
+
+pub use error::{BoxError, StoreError};
+#[cfg(feature = "axum")]
+pub use extract::MissingIdempotencyKey;
+pub use fingerprint::Fingerprint;
+pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
+pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer};
+pub use rejection::Rejection;
+pub use response::{IDEMPOTENT_REPLAYED, StoredResponse};
+pub use service::Idempotency;
+#[cfg(feature = "postgres")]
+pub use store::PostgresStore;
+pub use store::{ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, spawn_purge_task};
+
+pub mod problems {
+    //! The problem types of the layer's own answers (RFC 9457 `type` URIs point here).
+    //!
+    //! Every body is `application/problem+json` with `type`, `title`, `status` and `detail`.
+    //!
+    //! ## missing-key
+    //! `400`: a covered request has no `Idempotency-Key`.
+    //!
+    //! ## invalid-key
+    //! `400`: the key is empty, longer than 255 characters, not visible ASCII, or not a
+    //! well-formed quoted string.
+    //!
+    //! ## multiple-keys
+    //! `400`: the key header was sent more than once.
+    //!
+    //! ## unreadable-body
+    //! `400`: the request body could not be read.
+    //!
+    //! ## body-too-large
+    //! `413`: the body is larger than the layer's limit.
+    //!
+    //! ## request-in-progress
+    //! `409` with `Retry-After`: the first request with this key has not finished.
+    //!
+    //! ## key-reused
+    //! `422`: the key was used with a different method, path, query or body.
+    //!
+    //! ## response-not-stored
+    //! `409`: the request with this key was processed, but its answer was too large to
+    //! store. Carries `original_status`. The request is not processed again.
+    //!
+    //! ## store-unavailable
+    //! `503` with `Retry-After`: the idempotency store failed; the request was not processed
+    //! and is safe to retry with the same key.
+}

@@ -1,0 +1,250 @@
+//! The answers the layer gives instead of running the handler, as RFC 9457 problem details.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::key::KeyError;
+
+/// The media type of every rejection body.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// Why the layer answered a request itself instead of running the handler (or, for
+/// [`ResponseNotStored`](Rejection::ResponseNotStored), instead of replaying).
+///
+/// Each rejection renders as an `application/problem+json` document (RFC 9457) with the
+/// members `type`, `title`, `status` and `detail`, following
+/// draft-ietf-httpapi-idempotency-key-header-07. Replace the rendering with
+/// [`IdempotencyLayer::with_rejection_handler`](crate::IdempotencyLayer::with_rejection_handler).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// `400`: the request has no idempotency key and the layer requires one.
+    MissingKey,
+    /// `400`: the key is empty, too long, not visible ASCII or badly quoted.
+    InvalidKey(KeyError),
+    /// `400`: the request carries the key header more than once.
+    MultipleKeys,
+    /// `400`: the request body could not be read.
+    UnreadableBody,
+    /// `413`: the request body is larger than the layer's limit.
+    BodyTooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// `409`: a request with this key is still being processed.
+    InFlight {
+        /// When the client should try again (sent as `Retry-After`, in whole seconds).
+        retry_after: Duration,
+    },
+    /// `422`: the key was used before with a different request.
+    KeyReused,
+    /// `409`: the request with this key was completed, but its response was larger than the
+    /// storage limit and cannot be replayed. The handler is not run again.
+    ResponseNotStored {
+        /// The status the handler answered the first time.
+        original_status: StatusCode,
+    },
+    /// `503`: the idempotency store could not be reached; the handler was not run.
+    StoreUnavailable,
+}
+
+impl Rejection {
+    /// The HTTP status of this rejection.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::MissingKey | Self::InvalidKey(_) | Self::MultipleKeys | Self::UnreadableBody => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::InFlight { .. } | Self::ResponseNotStored { .. } => StatusCode::CONFLICT,
+            Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// A stable identifier of the problem, used as the last part of the `type` URI.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::MissingKey => "missing-key",
+            Self::InvalidKey(_) => "invalid-key",
+            Self::MultipleKeys => "multiple-keys",
+            Self::UnreadableBody => "unreadable-body",
+            Self::BodyTooLarge { .. } => "body-too-large",
+            Self::InFlight { .. } => "request-in-progress",
+            Self::KeyReused => "key-reused",
+            Self::ResponseNotStored { .. } => "response-not-stored",
+            Self::StoreUnavailable => "store-unavailable",
+        }
+    }
+
+    /// A short, human-readable summary (the problem's `title`).
+    pub fn title(&self) -> &'static str {
+        match self {
+            Self::MissingKey => "Idempotency-Key is missing",
+            Self::InvalidKey(_) => "Idempotency-Key is invalid",
+            Self::MultipleKeys => "Idempotency-Key is sent more than once",
+            Self::UnreadableBody => "The request body could not be read",
+            Self::BodyTooLarge { .. } => "The request body is too large",
+            Self::InFlight { .. } => "A request with this Idempotency-Key is being processed",
+            Self::KeyReused => "Idempotency-Key is already used with a different request",
+            Self::ResponseNotStored { .. } => {
+                "The request with this Idempotency-Key was processed, but its response cannot be replayed"
+            }
+            Self::StoreUnavailable => "The idempotency store is unavailable",
+        }
+    }
+
+    /// The explanation specific to this occurrence (the problem's `detail`).
+    pub fn detail(&self) -> String {
+        match self {
+            Self::MissingKey => "This operation requires an Idempotency-Key header.".into(),
+            Self::InvalidKey(e) => format!(
+                "{e}. A key is 1 to 255 visible ASCII characters, bare or as a quoted string."
+            ),
+            Self::MultipleKeys => "Send exactly one Idempotency-Key header.".into(),
+            Self::UnreadableBody => "The request body ended unexpectedly.".into(),
+            Self::BodyTooLarge { limit } => {
+                format!("Requests with an idempotency key may carry at most {limit} bytes.")
+            }
+            Self::InFlight { retry_after } => format!(
+                "The first request with this key has not finished. Retry after {} s.",
+                retry_after_secs(*retry_after)
+            ),
+            Self::KeyReused => "This key was used with a different method, path, query or body; \
+                 use a new key for a new request."
+                .into(),
+            Self::ResponseNotStored { original_status } => format!(
+                "The request was processed once (status {}); its response was too large to store. \
+                 It is not processed again.",
+                original_status.as_u16()
+            ),
+            Self::StoreUnavailable => {
+                "The request was not processed. It is safe to retry with the same key.".into()
+            }
+        }
+    }
+
+    /// The problem's `type` URI.
+    pub fn type_uri(&self) -> String {
+        format!(
+            "https://docs.rs/tower-idempotency/latest/tower_idempotency/problems/index.html#{}",
+            self.code()
+        )
+    }
+
+    /// Renders the rejection as an `application/problem+json` response.
+    ///
+    /// `409 in progress` carries `Retry-After`; `503` carries `Retry-After: 1`.
+    pub fn to_response(&self) -> Response<Bytes> {
+        let status = self.status();
+        let mut body = String::with_capacity(256);
+        body.push_str("{\"type\":");
+        json_string(&mut body, &self.type_uri());
+        body.push_str(",\"title\":");
+        json_string(&mut body, self.title());
+        let _ = write!(body, ",\"status\":{}", status.as_u16());
+        body.push_str(",\"detail\":");
+        json_string(&mut body, &self.detail());
+        if let Self::ResponseNotStored { original_status } = self {
+            let _ = write!(body, ",\"original_status\":{}", original_status.as_u16());
+        }
+        body.push('}');
+
+        let mut res = Response::new(Bytes::from(body));
+        *res.status_mut() = status;
+        res.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        let retry = match self {
+            Self::InFlight { retry_after } => Some(retry_after_secs(*retry_after)),
+            Self::StoreUnavailable => Some(1),
+            _ => None,
+        };
+        if let Some(secs) = retry {
+            res.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        res
+    }
+}
+
+/// `Retry-After` is whole seconds; round up and never say 0.
+fn retry_after_secs(d: Duration) -> u64 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    secs.max(1)
+}
+
+/// Appends `s` as a JSON string literal.
+fn json_string(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_problem_json() {
+        let r = Rejection::InFlight {
+            retry_after: Duration::from_millis(1500),
+        }
+        .to_response();
+        assert_eq!(r.status(), StatusCode::CONFLICT);
+        assert_eq!(r.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "2");
+        let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
+        assert_eq!(v["status"], 409);
+        assert!(v["type"].as_str().unwrap().ends_with("#request-in-progress"));
+        assert!(v["detail"].as_str().unwrap().contains("2 s"));
+    }
+
+    #[test]
+    fn escapes_json() {
+        let mut s = String::new();
+        json_string(&mut s, "a\"b\\c\n\u{1}");
+        assert_eq!(s, r#""a\"b\\c\n\u0001""#);
+        let v: serde_json::Value = serde_json::from_str(&s).unwrap();
+        assert_eq!(v, "a\"b\\c\n\u{1}");
+    }
+
+    #[test]
+    fn every_rejection_is_valid_json_with_its_status() {
+        let all = [
+            Rejection::MissingKey,
+            Rejection::InvalidKey(KeyError::TooLong),
+            Rejection::MultipleKeys,
+            Rejection::UnreadableBody,
+            Rejection::BodyTooLarge { limit: 10 },
+            Rejection::InFlight {
+                retry_after: Duration::ZERO,
+            },
+            Rejection::KeyReused,
+            Rejection::ResponseNotStored {
+                original_status: StatusCode::CREATED,
+            },
+            Rejection::StoreUnavailable,
+        ];
+        for r in all {
+            let res = r.to_response();
+            let v: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
+            assert_eq!(v["status"], res.status().as_u16(), "{r:?}");
+            assert_eq!(v["title"], r.title());
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! The stored response and its encoding.
+
+use bytes::{Buf, BufMut, Bytes};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+
+use crate::error::StoreError;
+
+/// The header added to every replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// A response remembered with its key, replayed for repeats.
+///
+/// It keeps the status, the headers (less those [`is_replayable_header`] drops) and the
+/// body. When the handler's body was larger than the layer's storage limit, the record keeps
+/// the status and headers only ([`body`](StoredResponse::body) is `None`); a repeat is then
+/// answered `409` with a problem document that names the original status, and the handler is
+/// not run again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Option<Bytes>,
+}
+
+impl StoredResponse {
+    /// A complete response.
+    pub fn new(status: StatusCode, headers: HeaderMap, body: Bytes) -> Self {
+        Self {
+            status,
+            headers,
+            body: Some(body),
+        }
+    }
+
+    /// A response whose body was too large to store.
+    pub fn without_body(status: StatusCode, headers: HeaderMap) -> Self {
+        Self {
+            status,
+            headers,
+            body: None,
+        }
+    }
+
+    /// The status code.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The stored headers.
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// The body, or `None` when it was too large to store.
+    pub fn body(&self) -> Option<&Bytes> {
+        self.body.as_ref()
+    }
+
+    /// Splits the response into its status, headers and body.
+    pub fn into_parts(self) -> (StatusCode, HeaderMap, Option<Bytes>) {
+        (self.status, self.headers, self.body)
+    }
+
+    /// Encodes the headers for storage: for each header, a big-endian `u16` name length,
+    /// the name, a `u32` value length and the value.
+    pub fn encode_headers(&self) -> Vec<u8> {
+        let size: usize = self
+            .headers
+            .iter()
+            .map(|(n, v)| 6 + n.as_str().len() + v.len())
+            .sum();
+        let mut out = Vec::with_capacity(size);
+        for (name, value) in &self.headers {
+            // Header names are far shorter than 64 KiB and values than 4 GiB in any HTTP
+            // implementation (hyper caps a whole head at a few hundred KiB); saturate anyway.
+            let n = name.as_str().as_bytes();
+            out.put_u16(u16::try_from(n.len()).unwrap_or(u16::MAX));
+            out.put_slice(n);
+            out.put_u32(u32::try_from(value.len()).unwrap_or(u32::MAX));
+            out.put_slice(value.as_bytes());
+        }
+        out
+    }
+
+    /// Decodes headers written by [`encode_headers`](StoredResponse::encode_headers).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Corrupt`] when the bytes are not a valid encoding.
+    pub fn decode_headers(mut bytes: &[u8]) -> Result<HeaderMap, StoreError> {
+        let corrupt = |what: &'static str| StoreError::Corrupt(what.into());
+        let mut headers = HeaderMap::new();
+        while bytes.has_remaining() {
+            if bytes.remaining() < 2 {
+                return Err(corrupt("truncated header name length"));
+            }
+            let n = usize::from(bytes.get_u16());
+            if bytes.remaining() < n + 4 {
+                return Err(corrupt("truncated header name"));
+            }
+            let name = HeaderName::from_bytes(&bytes[..n])
+                .map_err(|_| corrupt("invalid stored header name"))?;
+            bytes.advance(n);
+            let v = usize::try_from(bytes.get_u32()).map_err(|_| corrupt("header too long"))?;
+            if bytes.remaining() < v {
+                return Err(corrupt("truncated header value"));
+            }
+            let value = HeaderValue::from_bytes(&bytes[..v])
+                .map_err(|_| corrupt("invalid stored header value"))?;
+            bytes.advance(v);
+            headers.append(name, value);
+        }
+        Ok(headers)
+    }
+}
+
+/// Whether a response header is stored and replayed.
+///
+/// Dropped: the hop-by-hop headers (`Connection`, `Keep-Alive`, `Proxy-Connection`, `TE`,
+/// `Trailer`, `Transfer-Encoding`, `Upgrade`, and any named in `Connection`), `Date` (the
+/// replay is a new message; the server adds a fresh one), `Content-Length` (recomputed from the
+/// stored body, so it can never disagree with it), and `Set-Cookie` unless `keep_set_cookie`:
+/// a cookie is usually a session credential, and replaying one hands it to whoever holds the
+/// key — within the same scope, but possibly after the session it belonged to was ended.
+pub fn is_replayable_header(name: &HeaderName, keep_set_cookie: bool) -> bool {
+    !(name == header::CONNECTION
+        || name == "keep-alive"
+        || name == "proxy-connection"
+        || name == header::TE
+        || name == header::TRAILER
+        || name == header::TRANSFER_ENCODING
+        || name == header::UPGRADE
+        || name == header::DATE
+        || name == header::CONTENT_LENGTH
+        || name == IDEMPOTENT_REPLAYED
+        || (!keep_set_cookie && name == header::SET_COOKIE))
+}
+
+/// Copies the headers of a live response that are stored for replay.
+pub(crate) fn replayable_headers(headers: &HeaderMap, keep_set_cookie: bool) -> HeaderMap {
+    // Headers named by `Connection` are hop-by-hop too.
+    let connection_named: Vec<&[u8]> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
+        .collect();
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        if !is_replayable_header(name, keep_set_cookie) {
+            continue;
+        }
+        if connection_named
+            .iter()
+            .any(|t| t.eq_ignore_ascii_case(name.as_str().as_bytes()))
+        {
+            continue;
+        }
+        out.append(name.clone(), value.clone());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.append("x-multi", HeaderValue::from_static("1"));
+        h.append("x-multi", HeaderValue::from_static("2"));
+        h.insert("x-bin", HeaderValue::from_bytes(b"\xff\x80ok").unwrap());
+        let r = StoredResponse::new(StatusCode::CREATED, h.clone(), Bytes::from_static(b"{}"));
+        let decoded = StoredResponse::decode_headers(&r.encode_headers()).unwrap();
+        assert_eq!(decoded, h);
+        assert_eq!(
+            decoded.get_all("x-multi").iter().collect::<Vec<_>>(),
+            ["1", "2"]
+        );
+    }
+
+    #[test]
+    fn corrupt_headers_are_errors_not_panics() {
+        let mut h = HeaderMap::new();
+        h.insert("x-a", HeaderValue::from_static("value"));
+        let enc = StoredResponse::new(StatusCode::OK, h, Bytes::new()).encode_headers();
+        for cut in 0..enc.len() {
+            assert!(StoredResponse::decode_headers(&enc[..cut]).is_err() || cut == 0);
+        }
+        assert!(StoredResponse::decode_headers(&[0, 1, b' ', 0, 0, 0, 0]).is_err());
+    }
+
+    #[test]
+    fn filters_hop_by_hop_date_and_cookies() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("close, x-hop"));
+        h.insert("x-hop", HeaderValue::from_static("1"));
+        h.insert(header::DATE, HeaderValue::from_static("now"));
+        h.insert(header::SET_COOKIE, HeaderValue::from_static("s=1"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        h.insert(header::LOCATION, HeaderValue::from_static("/p/1"));
+        let kept = replayable_headers(&h, false);
+        assert_eq!(kept.len(), 2);
+        assert!(kept.contains_key(header::CONTENT_TYPE) && kept.contains_key(header::LOCATION));
+        assert!(replayable_headers(&h, true).contains_key(header::SET_COOKIE));
+    }
+}

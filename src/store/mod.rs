@@ -1,0 +1,169 @@
+//! Where keys live: the [`Store`] contract, [`MemoryStore`] and (feature `postgres`)
+//! [`PostgresStore`].
+//!
+//! A store keeps one record per (scope, key). A record is either **in progress** (a request
+//! holds it under a lease and a fencing token) or **completed** (it holds the response to
+//! replay). Every record expires after the TTL given when it was written; an expired record
+//! counts as absent.
+//!
+//! The contract every store keeps:
+//!
+//! - [`claim`](Store::claim) is one atomic operation. Of all the requests that claim the same
+//!   absent key at once, exactly one gets [`ClaimOutcome::Acquired`].
+//! - An in-progress record whose lease ran out may be taken over by a request with the same
+//!   fingerprint; it gets a new token, and the old token stops working.
+//! - [`complete`](Store::complete), [`release`](Store::release) and [`renew`](Store::renew)
+//!   act only while the token still holds the record, so a stale owner can never overwrite the
+//!   work of the request that took over.
+//! - A fingerprint mismatch is reported before anything else, for a record in any state.
+//!
+//! The shared behaviour suite in `tests/` runs against every store of this crate; a store of
+//! your own should pass the same checks.
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::response::StoredResponse;
+
+mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
+
+pub use memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use postgres::PostgresStore;
+
+/// The fencing token of a claimed key.
+///
+/// Tokens are unique across all claims of a store (never reused, not even after a key is
+/// released and claimed again), so a token identifies one claim.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct LeaseToken(i64);
+
+impl LeaseToken {
+    /// Wraps a raw token (for store implementations).
+    pub const fn from_raw(raw: i64) -> Self {
+        Self(raw)
+    }
+
+    /// The raw token (for store implementations).
+    pub const fn into_raw(self) -> i64 {
+        self.0
+    }
+}
+
+/// The arguments of [`Store::claim`].
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest<'a> {
+    /// The scope the key belongs to (`""` when the layer has no scope function).
+    pub scope: &'a str,
+    /// The key.
+    pub key: &'a IdempotencyKey,
+    /// The fingerprint of the request.
+    pub fingerprint: Fingerprint,
+    /// How long the claim holds the key before another request may take it over.
+    pub lease: Duration,
+    /// How long the record lives (also while in progress).
+    pub ttl: Duration,
+}
+
+/// What [`Store::claim`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClaimOutcome {
+    /// The caller now holds the key: run the handler, then complete or release.
+    Acquired {
+        /// The fencing token of this claim.
+        token: LeaseToken,
+        /// `true` when the key was taken over from a request whose lease ran out.
+        takeover: bool,
+    },
+    /// Another request holds the key and its lease has not run out.
+    InFlight {
+        /// How long until the lease runs out.
+        retry_after: Duration,
+    },
+    /// The key was completed with the same fingerprint: replay this response.
+    Completed(StoredResponse),
+    /// The key is in use (in progress or completed) with another fingerprint.
+    Mismatch,
+}
+
+/// The storage behind the layer.
+///
+/// Implementations are cheap to clone (a pool or an `Arc`). Async methods return
+/// `impl Future + Send`, so they can be awaited in any Tower service.
+pub trait Store: Clone + Send + Sync + 'static {
+    /// Atomically claims the key, or reports why it cannot be claimed.
+    fn claim(
+        &self,
+        request: ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send;
+
+    /// Stores the response of a claimed key and marks it completed for `ttl` from now.
+    ///
+    /// Returns `false` (and changes nothing) when `token` no longer holds the key.
+    fn complete(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes an in-progress record, so the next request with the key runs the handler.
+    ///
+    /// Returns `false` (and changes nothing) when `token` no longer holds the key.
+    fn release(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Extends the lease of a claimed key to `lease` from now.
+    ///
+    /// Returns `false` when `token` no longer holds the key.
+    fn renew(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes expired records, at most `batch_size` per statement (or lock), until none are
+    /// left. Returns how many were deleted.
+    fn purge_expired(
+        &self,
+        batch_size: usize,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
+
+/// Spawns a task that calls [`Store::purge_expired`] every `every`, deleting in batches of
+/// `batch_size`. Failures are logged and retried at the next tick. Abort the returned handle
+/// to stop it.
+///
+/// Must be called from within a Tokio runtime.
+pub fn spawn_purge_task<St: Store>(
+    store: St,
+    every: Duration,
+    batch_size: usize,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match store.purge_expired(batch_size).await {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(deleted = n, "purged expired idempotency keys"),
+                Err(e) => tracing::warn!(error = &e as &dyn std::error::Error, "purging expired idempotency keys failed"),
+            }
+        }
+    })
+}

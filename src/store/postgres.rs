@@ -1,0 +1,370 @@
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::StatusCode;
+use sha2::{Digest, Sha256};
+use sqlx::postgres::PgRow;
+use sqlx::{PgPool, Row};
+
+use super::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
+use crate::error::StoreError;
+use crate::key::IdempotencyKey;
+use crate::response::StoredResponse;
+
+/// The crate's migrations, applied in order by [`PostgresStore::migrate`].
+const MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "create keys",
+    include_str!("../../migrations/0001_create_keys.sql"),
+)];
+
+/// The advisory lock taken while migrating, so that app instances starting together apply
+/// each migration once. (The bytes of "towidem1".)
+const MIGRATION_LOCK: i64 = 0x746f_7769_6465_6d31;
+
+/// A store in PostgreSQL, shared by every app instance that uses the same database.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use tower_idempotency::{IdempotencyLayer, PostgresStore};
+///
+/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
+/// let store = PostgresStore::new(pool);
+/// store.migrate().await?; // idempotent; safe to run from every instance at start
+/// let layer = IdempotencyLayer::new(store);
+/// # let _ = layer; Ok(()) }
+/// ```
+///
+/// # Schema
+///
+/// [`migrate`](PostgresStore::migrate) creates the table `tower_idempotency_keys` and the
+/// sequence `tower_idempotency_lease_token_seq` in the first schema of the connection's
+/// `search_path`, and records what it applied in its own history table,
+/// `tower_idempotency_migrations`, so it never touches the application's migration history.
+/// The SQL is in the crate's `migrations/` folder for those who apply migrations with their
+/// own tool.
+///
+/// # Round trips and clocks
+///
+/// A replay costs one statement; a first request two (claim, complete), plus one renewal
+/// per third of the lease for handlers that run longer than that. Every time (leases,
+/// expiry) is computed by the database with `now()`, so app instances with skewed clocks
+/// agree.
+#[derive(Clone, Debug)]
+pub struct PostgresStore {
+    pool: PgPool,
+}
+
+impl PostgresStore {
+    /// A store on `pool`. Run [`migrate`](PostgresStore::migrate) once before use.
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// The pool this store uses.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Creates or upgrades the store's tables. Safe to call from several instances at once
+    /// (an advisory lock serialises them) and on every start (applied migrations are skipped).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when the database fails; [`StoreError::Schema`] when a
+    /// migration recorded as applied differs from the one this crate ships.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(MIGRATION_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
+                 version     bigint      PRIMARY KEY,
+                 description text        NOT NULL,
+                 checksum    bytea       NOT NULL,
+                 applied_at  timestamptz NOT NULL DEFAULT now()
+             )",
+        )
+        .execute(&mut *tx)
+        .await?;
+        let applied: Vec<(i64, Vec<u8>)> =
+            sqlx::query_as("SELECT version, checksum FROM tower_idempotency_migrations")
+                .fetch_all(&mut *tx)
+                .await?;
+        for &(version, description, sql) in MIGRATIONS {
+            let checksum = Sha256::digest(sql.as_bytes()).to_vec();
+            match applied.iter().find(|(v, _)| *v == version) {
+                Some((_, c)) if *c == checksum => continue,
+                Some(_) => {
+                    return Err(StoreError::Schema(format!(
+                        "migration {version} ({description}) was applied with different SQL"
+                    )));
+                }
+                None => {}
+            }
+            sqlx::raw_sql(sql).execute(&mut *tx).await?;
+            sqlx::query(
+                "INSERT INTO tower_idempotency_migrations (version, description, checksum)
+                 VALUES ($1, $2, $3)",
+            )
+            .bind(version)
+            .bind(description)
+            .bind(checksum)
+            .execute(&mut *tx)
+            .await?;
+            tracing::info!(version, description, "applied tower-idempotency migration");
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// Milliseconds for an interval parameter, clamped to 100 years so Postgres never sees an
+/// out-of-range interval.
+fn millis(d: Duration) -> i64 {
+    const MAX: u128 = 100 * 365 * 24 * 3600 * 1000;
+    i64::try_from(d.as_millis().min(MAX)).unwrap_or(i64::MAX)
+}
+
+/// Maps a database error, recognising a missing schema by its SQLSTATE.
+fn db_error(err: sqlx::Error) -> StoreError {
+    if let Some(db) = err.as_database_error() {
+        // 42P01 undefined_table, 42704 undefined_object (the sequence).
+        if matches!(db.code().as_deref(), Some("42P01" | "42704")) {
+            return StoreError::Schema(format!(
+                "{} (run PostgresStore::migrate() first)",
+                db.message()
+            ));
+        }
+    }
+    StoreError::from(err)
+}
+
+/// One atomic statement: read the record, insert it if absent, take it over if expired or
+/// its lease ran out. A replay is only the read (the insert and update are skipped by
+/// one-time filters), so it costs what a plain `SELECT` costs.
+///
+/// Under READ COMMITTED all three parts see the snapshot of the statement's start. When a
+/// concurrent request wins the race (its insert or update commits first), this statement
+/// gets neither an inserted nor an updated row, and the caller runs it again with a fresh
+/// snapshot.
+const CLAIM: &str = "
+WITH cur AS (
+    SELECT fingerprint, lease_token, expires_at <= now() AS expired,
+           (expires_at <= now()
+            OR (lease_token IS NOT NULL AND lease_expires_at <= now() AND fingerprint = $3))
+               AS claimable,
+           (extract(epoch FROM lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
+           response_status, response_headers, response_body
+      FROM tower_idempotency_keys
+     WHERE scope = $1 AND key = $2
+),
+ins AS (
+    INSERT INTO tower_idempotency_keys AS k
+           (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
+    SELECT $1, $2, $3, nextval('tower_idempotency_lease_token_seq'),
+           now() + $4::float8 * interval '1 millisecond',
+           now() + $5::float8 * interval '1 millisecond'
+     WHERE NOT EXISTS (SELECT 1 FROM cur)
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING k.lease_token
+),
+upd AS (
+    UPDATE tower_idempotency_keys AS k
+       SET fingerprint = $3,
+           lease_token = nextval('tower_idempotency_lease_token_seq'),
+           lease_expires_at = now() + $4::float8 * interval '1 millisecond',
+           expires_at = now() + $5::float8 * interval '1 millisecond',
+           created_at = now(), completed_at = NULL,
+           response_status = NULL, response_headers = NULL, response_body = NULL
+     WHERE k.scope = $1 AND k.key = $2
+       AND EXISTS (SELECT 1 FROM cur WHERE cur.claimable)
+       AND (k.expires_at <= now()
+            OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= now() AND k.fingerprint = $3))
+    RETURNING k.lease_token
+)
+SELECT ins.lease_token AS inserted, upd.lease_token AS updated,
+       cur.fingerprint, cur.lease_token, cur.expired, cur.claimable, cur.lease_left_ms,
+       cur.response_status, cur.response_headers, cur.response_body
+  FROM (SELECT 1) AS one
+  LEFT JOIN ins ON true
+  LEFT JOIN upd ON true
+  LEFT JOIN cur ON true";
+
+const COMPLETE: &str = "
+UPDATE tower_idempotency_keys
+   SET lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
+       expires_at = now() + $4::float8 * interval '1 millisecond',
+       response_status = $5, response_headers = $6, response_body = $7
+ WHERE scope = $1 AND key = $2 AND lease_token = $3";
+
+const RELEASE: &str =
+    "DELETE FROM tower_idempotency_keys WHERE scope = $1 AND key = $2 AND lease_token = $3";
+
+const RENEW: &str = "
+UPDATE tower_idempotency_keys
+   SET lease_expires_at = now() + $4::float8 * interval '1 millisecond',
+       expires_at = greatest(expires_at, now() + $4::float8 * interval '1 millisecond')
+ WHERE scope = $1 AND key = $2 AND lease_token = $3";
+
+const PURGE: &str = "
+DELETE FROM tower_idempotency_keys
+ WHERE (scope, key) IN (
+       SELECT scope, key FROM tower_idempotency_keys
+        WHERE expires_at <= now()
+        LIMIT $1
+          FOR UPDATE SKIP LOCKED)";
+
+/// How often a claim that lost a race is run again before giving up with "in flight".
+const CLAIM_ATTEMPTS: usize = 4;
+
+enum Decision {
+    Done(ClaimOutcome),
+    /// A concurrent request changed the record after our snapshot: run the claim again.
+    Retry,
+}
+
+fn decide(row: &PgRow, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
+    if let Some(token) = row.try_get::<Option<i64>, _>("inserted")? {
+        return Ok(Decision::Done(ClaimOutcome::Acquired {
+            token: LeaseToken::from_raw(token),
+            takeover: false,
+        }));
+    }
+    let expired: Option<bool> = row.try_get("expired")?;
+    if let Some(token) = row.try_get::<Option<i64>, _>("updated")? {
+        return Ok(Decision::Done(ClaimOutcome::Acquired {
+            token: LeaseToken::from_raw(token),
+            takeover: expired == Some(false),
+        }));
+    }
+    let Some(fingerprint) = row.try_get::<Option<Vec<u8>>, _>("fingerprint")? else {
+        // No record in our snapshot, yet our insert conflicted: a concurrent insert won.
+        return Ok(Decision::Retry);
+    };
+    if row.try_get::<Option<bool>, _>("claimable")? == Some(true) {
+        return Ok(Decision::Retry);
+    }
+    if fingerprint != req.fingerprint.as_bytes() {
+        return Ok(Decision::Done(ClaimOutcome::Mismatch));
+    }
+    if row.try_get::<Option<i64>, _>("lease_token")?.is_some() {
+        let left: Option<i64> = row.try_get("lease_left_ms")?;
+        let left = u64::try_from(left.unwrap_or(0)).unwrap_or(0);
+        return Ok(Decision::Done(ClaimOutcome::InFlight {
+            retry_after: Duration::from_millis(left),
+        }));
+    }
+    let status: Option<i16> = row.try_get("response_status")?;
+    let status = status
+        .and_then(|s| u16::try_from(s).ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .ok_or_else(|| StoreError::Corrupt("invalid stored status".into()))?;
+    let headers: Option<Vec<u8>> = row.try_get("response_headers")?;
+    let headers = StoredResponse::decode_headers(headers.as_deref().unwrap_or_default())?;
+    let body: Option<Vec<u8>> = row.try_get("response_body")?;
+    let response = match body {
+        Some(b) => StoredResponse::new(status, headers, Bytes::from(b)),
+        None => StoredResponse::without_body(status, headers),
+    };
+    Ok(Decision::Done(ClaimOutcome::Completed(response)))
+}
+
+impl Store for PostgresStore {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        for _ in 0..CLAIM_ATTEMPTS {
+            let row = sqlx::query(CLAIM)
+                .bind(req.scope)
+                .bind(req.key.as_str())
+                .bind(&req.fingerprint.as_bytes()[..])
+                .bind(millis(req.lease))
+                .bind(millis(req.ttl))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(db_error)?;
+            if let Decision::Done(outcome) = decide(&row, &req)? {
+                return Ok(outcome);
+            }
+        }
+        // Every attempt lost a race to another claimer, which therefore holds the key now.
+        Ok(ClaimOutcome::InFlight {
+            retry_after: Duration::from_secs(1),
+        })
+    }
+
+    async fn complete(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let status = i16::try_from(response.status().as_u16())
+            .map_err(|_| StoreError::Corrupt("status out of range".into()))?;
+        let done = sqlx::query(COMPLETE)
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(token.into_raw())
+            .bind(millis(ttl))
+            .bind(status)
+            .bind(response.encode_headers())
+            .bind(response.body().map(|b| &b[..]))
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(RELEASE)
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(token.into_raw())
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn renew(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(RENEW)
+            .bind(scope)
+            .bind(key.as_str())
+            .bind(token.into_raw())
+            .bind(millis(lease))
+            .execute(&self.pool)
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {
+        let batch = i64::try_from(batch_size.max(1)).unwrap_or(i64::MAX);
+        let mut deleted = 0;
+        loop {
+            let done = sqlx::query(PURGE)
+                .bind(batch)
+                .execute(&self.pool)
+                .await
+                .map_err(db_error)?;
+            deleted += done.rows_affected();
+            if done.rows_affected() < batch.unsigned_abs() {
+                return Ok(deleted);
+            }
+        }
+    }
+}
