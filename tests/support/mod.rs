@@ -1,0 +1,281 @@
+//! Shared test support: a fresh Postgres schema per test, and a counting handler.
+#![allow(dead_code, unreachable_pub, clippy::unwrap_used, clippy::expect_used)]
+
+use std::convert::Infallible;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, StreamBody};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tower_idempotency::PostgresStore;
+use tower_idempotency::body::RequestBody;
+
+/// The server the Postgres tests use: `DATABASE_URL`, or the local service.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// A schema of its own for one test, dropped by [`PgSchema::drop_schema`].
+pub struct PgSchema {
+    pub name: String,
+    admin: PgPool,
+}
+
+impl PgSchema {
+    /// Creates a fresh schema. Fails the test, saying what to do, when Postgres is not there.
+    pub async fn new() -> PgSchema {
+        let url = database_url();
+        let admin = PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(&url)
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot connect to PostgreSQL at {url}: {e}\n\
+                     The Postgres tests need a server. Run ./scripts/test.sh (it starts or \
+                     installs a local PostgreSQL), or set DATABASE_URL to a server you own."
+                )
+            });
+        let name = format!("ti_{}", unique());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {name}")))
+            .execute(&admin)
+            .await
+            .unwrap();
+        PgSchema { name, admin }
+    }
+
+    /// A pool whose connections work in this schema.
+    pub async fn pool(&self, max_connections: u32) -> PgPool {
+        let opts = PgConnectOptions::from_str(&database_url())
+            .unwrap()
+            .options([("search_path", self.name.as_str())]);
+        PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(opts)
+            .await
+            .unwrap()
+    }
+
+    /// A migrated store in this schema.
+    pub async fn store(&self) -> PostgresStore {
+        let store = PostgresStore::new(self.pool(16).await);
+        store.migrate().await.unwrap();
+        store
+    }
+
+    pub async fn drop_schema(self) {
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA {} CASCADE",
+            self.name
+        )))
+        .execute(&self.admin)
+        .await;
+    }
+}
+
+/// A name unique across test processes and threads.
+pub fn unique() -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!(
+        "{}_{}_{}",
+        std::process::id(),
+        nanos,
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub type TestBody = RequestBody<Full<Bytes>>;
+pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
+
+/// Counts how often the handler really ran, per path.
+#[derive(Clone, Default)]
+pub struct Calls(Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>);
+
+impl Calls {
+    pub fn get(&self, path: &str) -> usize {
+        self.0.lock().unwrap().get(path).copied().unwrap_or(0)
+    }
+    pub fn total(&self) -> usize {
+        self.0.lock().unwrap().values().sum()
+    }
+    fn hit(&self, path: &str) -> usize {
+        let mut m = self.0.lock().unwrap();
+        let n = m.entry(path.to_owned()).or_default();
+        *n += 1;
+        *n
+    }
+}
+
+/// The test handler. What it does depends on the path:
+///
+/// - `/slow?ms=N`: sleeps N ms, then answers like `/ok`;
+/// - `/fail`: `500`; `/bad`: `400`; `/panic`: panics; `/error`: a service error;
+/// - `/big?n=N`: `200` with N bytes, streamed in 1 KiB chunks;
+/// - `/key`: `200` with the key the layer inserted into the extensions;
+/// - anything else: `201` echoing the method, body and call count, with
+///   `content-type`, `x-custom`, `set-cookie` and `date` headers.
+pub fn handler(
+    calls: Calls,
+) -> impl tower::Service<
+    Request<TestBody>,
+    Response = Response<BoxBody>,
+    Error = std::io::Error,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(move |req: Request<TestBody>| {
+        let calls = calls.clone();
+        async move {
+            let path = req.uri().path().to_owned();
+            let query = req.uri().query().unwrap_or("").to_owned();
+            let n = calls.hit(&path);
+            let num = |name: &str| -> u64 {
+                query
+                    .split('&')
+                    .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0)
+            };
+            let key = req
+                .extensions()
+                .get::<tower_idempotency::IdempotencyKey>()
+                .map(|k| k.to_string());
+            let method = req.method().clone();
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let full = |status: StatusCode, text: String| {
+                let mut res = Response::new(
+                    Full::new(Bytes::from(text))
+                        .map_err(|e: Infallible| match e {})
+                        .boxed_unsync(),
+                );
+                *res.status_mut() = status;
+                res
+            };
+            match path.as_str() {
+                "/slow" => tokio::time::sleep(Duration::from_millis(num("ms"))).await,
+                "/fail" => return Ok(full(StatusCode::INTERNAL_SERVER_ERROR, "boom".into())),
+                "/bad" => return Ok(full(StatusCode::BAD_REQUEST, format!("bad #{n}"))),
+                "/panic" => panic!("handler panicked on purpose"),
+                "/error" => return Err(std::io::Error::other("service error")),
+                "/key" => return Ok(full(StatusCode::OK, key.unwrap_or_default())),
+                "/big" => {
+                    let total = usize::try_from(num("n")).unwrap();
+                    let chunks: Vec<Result<http_body::Frame<Bytes>, std::io::Error>> = (0
+                        ..total.div_ceil(1024))
+                        .map(|i| {
+                            let len = (total - i * 1024).min(1024);
+                            Ok(http_body::Frame::data(Bytes::from(vec![b'a' + (i % 26) as u8; len])))
+                        })
+                        .collect();
+                    let stream = futures_stream(chunks);
+                    let mut res = Response::new(StreamBody::new(stream).boxed_unsync());
+                    res.headers_mut()
+                        .insert("content-type", HeaderValue::from_static("text/plain"));
+                    return Ok(res);
+                }
+                _ => {}
+            }
+            let mut res = full(
+                StatusCode::CREATED,
+                format!(
+                    "{method} {path} call #{n} body={}",
+                    String::from_utf8_lossy(&body)
+                ),
+            );
+            let h = res.headers_mut();
+            h.insert("content-type", HeaderValue::from_static("text/plain; charset=utf-8"));
+            h.insert("x-custom", HeaderValue::from_static("kept"));
+            h.insert("set-cookie", HeaderValue::from_static("session=secret"));
+            h.insert("date", HeaderValue::from_static("Mon, 30 Nov 2026 00:00:00 GMT"));
+            Ok(res)
+        }
+    })
+}
+
+/// A stream of frames that yields between chunks, so the body really streams.
+fn futures_stream<T: Send + Unpin + 'static>(
+    items: Vec<T>,
+) -> impl futures_core::Stream<Item = T> + Send + 'static {
+    struct Iter<T>(std::collections::VecDeque<T>, bool);
+    impl<T: Unpin> futures_core::Stream for Iter<T> {
+        type Item = T;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<T>> {
+            // Alternate between pending and ready to exercise partial reads.
+            self.1 = !self.1;
+            if self.1 {
+                cx.waker().wake_by_ref();
+                return std::task::Poll::Pending;
+            }
+            std::task::Poll::Ready(self.0.pop_front())
+        }
+    }
+    Iter(items.into(), false)
+}
+
+/// Builds a request.
+pub fn req(method: &str, uri: &str, key: Option<&str>, body: &str) -> Request<Full<Bytes>> {
+    let mut b = Request::builder().method(method).uri(uri);
+    if let Some(k) = key {
+        b = b.header("idempotency-key", k);
+    }
+    b.body(Full::new(Bytes::from(body.to_owned()))).unwrap()
+}
+
+/// A response read in full.
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.text()))
+    }
+    pub fn replayed(&self) -> bool {
+        self.headers.get("idempotent-replayed").is_some_and(|v| v == "true")
+    }
+    /// Asserts a problem+json answer with this status and problem code.
+    pub fn assert_problem(&self, status: u16, code: &str) {
+        assert_eq!(self.status, status, "body: {}", self.text());
+        assert_eq!(self.headers["content-type"], "application/problem+json");
+        let v = self.json();
+        assert_eq!(v["status"], status);
+        let ty = v["type"].as_str().unwrap();
+        assert!(ty.ends_with(&format!("#{code}")), "type {ty} is not {code}");
+        assert!(v["title"].is_string() && v["detail"].is_string());
+    }
+}
+
+pub async fn read<B>(res: Response<B>) -> Answer
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
+{
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
