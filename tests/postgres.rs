@@ -1,0 +1,118 @@
+//! Postgres-only behaviour: migrations, schema errors, an unreachable database.
+#![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
+
+mod support;
+
+use std::time::Duration;
+
+use sqlx::postgres::PgPoolOptions;
+use support::{Calls, PgSchema, read, req};
+use tower::{Layer, ServiceExt};
+use tower_idempotency::{IdempotencyLayer, PostgresStore, Store, StoreError};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
+    let schema = PgSchema::new().await;
+    let pool = schema.pool(8).await;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let store = PostgresStore::new(pool.clone());
+        tasks.push(tokio::spawn(async move { store.migrate().await }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    PostgresStore::new(pool.clone()).migrate().await.unwrap();
+    let (versions,): (i64,) = sqlx::query_as("SELECT count(*) FROM tower_idempotency_migrations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(versions, 1);
+    // The crate's history lives in its own table, not in sqlx's `_sqlx_migrations`.
+    let (sqlx_table,): (Option<String>,) =
+        sqlx::query_as("SELECT to_regclass('_sqlx_migrations')::text")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(sqlx_table, None);
+    pool.close().await;
+    schema.drop_schema().await;
+}
+
+#[tokio::test]
+async fn a_changed_migration_is_reported_not_reapplied() {
+    let schema = PgSchema::new().await;
+    let pool = schema.pool(2).await;
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    sqlx::query("UPDATE tower_idempotency_migrations SET checksum = '\\x00'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let err = store.migrate().await.unwrap_err();
+    assert!(matches!(err, StoreError::Schema(_)), "{err:?}");
+    pool.close().await;
+    schema.drop_schema().await;
+}
+
+#[tokio::test]
+async fn missing_schema_is_a_schema_error_and_a_503() {
+    let schema = PgSchema::new().await;
+    let pool = schema.pool(2).await;
+    let store = PostgresStore::new(pool.clone()); // migrate() not run
+    let calls = Calls::default();
+    let svc = IdempotencyLayer::new(store.clone()).layer(support::handler(calls.clone()));
+    let a = read(svc.oneshot(req("POST", "/pay", Some("k"), "")).await.unwrap()).await;
+    a.assert_problem(503, "store-unavailable");
+    assert_eq!(a.headers["retry-after"], "1");
+    assert_eq!(calls.total(), 0, "fail closed: the handler must not run unprotected");
+    let err = store.purge_expired(10).await.unwrap_err();
+    match err {
+        StoreError::Schema(msg) => assert!(msg.contains("migrate"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    pool.close().await;
+    schema.drop_schema().await;
+}
+
+#[tokio::test]
+async fn unreachable_database_is_a_503_and_the_handler_does_not_run() {
+    // Nothing listens on port 1.
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/postgres")
+        .unwrap();
+    let calls = Calls::default();
+    let svc = IdempotencyLayer::new(PostgresStore::new(pool)).layer(support::handler(calls.clone()));
+    let a = read(svc.clone().oneshot(req("POST", "/pay", Some("k"), "")).await.unwrap()).await;
+    a.assert_problem(503, "store-unavailable");
+    assert_eq!(calls.total(), 0);
+    // Requests the layer does not cover never touch the store.
+    let get = read(svc.oneshot(req("GET", "/pay", Some("k"), "")).await.unwrap()).await;
+    assert_eq!(get.status, 201);
+    assert_eq!(calls.total(), 1);
+}
+
+#[tokio::test]
+async fn records_store_headers_and_times_from_the_database_clock() {
+    let schema = PgSchema::new().await;
+    let store = schema.store().await;
+    let calls = Calls::default();
+    let svc = IdempotencyLayer::new(store.clone())
+        .with_ttl(Duration::from_secs(3600))
+        .layer(support::handler(calls.clone()));
+    let a = read(svc.oneshot(req("POST", "/pay", Some("k"), "b")).await.unwrap()).await;
+    assert_eq!(a.status, 201);
+    let (status, ttl_ok, lease): (i16, bool, Option<i64>) = sqlx::query_as(
+        "SELECT response_status,
+                expires_at BETWEEN now() + interval '59 minutes' AND now() + interval '61 minutes',
+                lease_token
+           FROM tower_idempotency_keys WHERE key = 'k'",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!((status, ttl_ok, lease), (201, true, None));
+    store.pool().close().await;
+    schema.drop_schema().await;
+}
