@@ -137,7 +137,10 @@ mod tests {
         assert_ne!(base, fingerprint(&parts("POST", "/p"), &[], b"body"));
         assert_ne!(base, fingerprint(&parts("POST", "/p?x=1"), &[], b"bodY"));
         let tenant = HeaderName::from_static("x-tenant");
-        assert_ne!(base, fingerprint(&parts("POST", "/p?x=1"), &[tenant], b"body"));
+        assert_ne!(
+            base,
+            fingerprint(&parts("POST", "/p?x=1"), &[tenant], b"body")
+        );
         // An empty query and no query differ.
         assert_ne!(
             fingerprint(&parts("POST", "/p?"), &[], b""),

@@ -88,7 +88,9 @@ where
                 // Polling a future after it returned Ready is a caller bug; every Tower and
                 // hyper driver stops at the first Ready.
                 #[allow(clippy::expect_used)]
-                let res = response.take().expect("ResponseFuture polled after completion");
+                let res = response
+                    .take()
+                    .expect("ResponseFuture polled after completion");
                 Poll::Ready(Ok(res))
             }
         }

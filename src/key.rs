@@ -217,22 +217,49 @@ mod tests {
 
     #[test]
     fn bare_and_quoted_are_the_same_key() {
-        assert_eq!(IdempotencyKey::parse("abc"), IdempotencyKey::parse("\"abc\""));
-        assert_eq!(IdempotencyKey::parse("\"a\\\"b\"").unwrap().as_str(), "a\"b");
-        assert_eq!(IdempotencyKey::parse("\"a\\\\b\"").unwrap().as_str(), "a\\b");
+        assert_eq!(
+            IdempotencyKey::parse("abc"),
+            IdempotencyKey::parse("\"abc\"")
+        );
+        assert_eq!(
+            IdempotencyKey::parse("\"a\\\"b\"").unwrap().as_str(),
+            "a\"b"
+        );
+        assert_eq!(
+            IdempotencyKey::parse("\"a\\\\b\"").unwrap().as_str(),
+            "a\\b"
+        );
     }
 
     #[test]
     fn rejects_bad_keys() {
         assert_eq!(IdempotencyKey::parse(""), Err(KeyError::Empty));
         assert_eq!(IdempotencyKey::parse("\"\""), Err(KeyError::Empty));
-        assert_eq!(IdempotencyKey::parse("a b"), Err(KeyError::InvalidCharacter));
-        assert_eq!(IdempotencyKey::parse("\"a b\""), Err(KeyError::InvalidCharacter));
+        assert_eq!(
+            IdempotencyKey::parse("a b"),
+            Err(KeyError::InvalidCharacter)
+        );
+        assert_eq!(
+            IdempotencyKey::parse("\"a b\""),
+            Err(KeyError::InvalidCharacter)
+        );
         assert_eq!(IdempotencyKey::parse("é"), Err(KeyError::InvalidCharacter));
-        assert_eq!(IdempotencyKey::parse("\"abc"), Err(KeyError::MalformedString));
-        assert_eq!(IdempotencyKey::parse("\"abc\";x=1"), Err(KeyError::MalformedString));
-        assert_eq!(IdempotencyKey::parse("\"a\\b\""), Err(KeyError::MalformedString));
-        assert_eq!(IdempotencyKey::parse(&"k".repeat(256)), Err(KeyError::TooLong));
+        assert_eq!(
+            IdempotencyKey::parse("\"abc"),
+            Err(KeyError::MalformedString)
+        );
+        assert_eq!(
+            IdempotencyKey::parse("\"abc\";x=1"),
+            Err(KeyError::MalformedString)
+        );
+        assert_eq!(
+            IdempotencyKey::parse("\"a\\b\""),
+            Err(KeyError::MalformedString)
+        );
+        assert_eq!(
+            IdempotencyKey::parse(&"k".repeat(256)),
+            Err(KeyError::TooLong)
+        );
         assert!(IdempotencyKey::parse(&"k".repeat(255)).is_ok());
         assert!(IdempotencyKey::parse(&format!("\"{}\"", "k".repeat(255))).is_ok());
     }

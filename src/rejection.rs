@@ -210,7 +210,12 @@ mod tests {
         assert_eq!(r.headers()[header::RETRY_AFTER], "2");
         let v: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
         assert_eq!(v["status"], 409);
-        assert!(v["type"].as_str().unwrap().ends_with("#request-in-progress"));
+        assert!(
+            v["type"]
+                .as_str()
+                .unwrap()
+                .ends_with("#request-in-progress")
+        );
         assert!(v["detail"].as_str().unwrap().contains("2 s"));
     }
 

@@ -169,7 +169,10 @@ mod tests {
     #[test]
     fn headers_round_trip() {
         let mut h = HeaderMap::new();
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         h.append("x-multi", HeaderValue::from_static("1"));
         h.append("x-multi", HeaderValue::from_static("2"));
         h.insert("x-bin", HeaderValue::from_bytes(b"\xff\x80ok").unwrap());
@@ -200,7 +203,10 @@ mod tests {
         h.insert("x-hop", HeaderValue::from_static("1"));
         h.insert(header::DATE, HeaderValue::from_static("now"));
         h.insert(header::SET_COOKIE, HeaderValue::from_static("s=1"));
-        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
         h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         h.insert(header::LOCATION, HeaderValue::from_static("/p/1"));
         let kept = replayable_headers(&h, false);

@@ -185,13 +185,17 @@ impl Outcome {
 
 fn record(outcome: Outcome) {
     tracing::Span::current().record("outcome", outcome.as_str());
+    tracing::debug!(outcome = outcome.as_str(), "idempotency outcome");
     #[cfg(feature = "metrics")]
     metrics::counter!("tower_idempotency_requests_total", "outcome" => outcome.as_str())
         .increment(1);
 }
 
 fn log_store_error(err: &StoreError, what: &'static str) {
-    tracing::error!(error = err as &dyn std::error::Error, "idempotency store failed to {what}");
+    tracing::error!(
+        error = err as &dyn std::error::Error,
+        "idempotency store failed to {what}"
+    );
 }
 
 struct Run<St> {
@@ -375,7 +379,10 @@ where
     while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
         let frame = frame.map_err(|e| {
             let e: BoxError = e.into();
-            tracing::debug!(error = &*e as &dyn std::error::Error, "reading the request body failed");
+            tracing::debug!(
+                error = &*e as &dyn std::error::Error,
+                "reading the request body failed"
+            );
             Rejection::UnreadableBody
         })?;
         match frame.into_data() {
@@ -519,7 +526,9 @@ impl<St: Store> Held<St> {
     async fn release(self) {
         match self.store.release(&self.scope, &self.key, self.token).await {
             Ok(_) => tracing::debug!("idempotency key released"),
-            Err(err) => log_store_error(&err, "release a key; it stays locked until its lease ends"),
+            Err(err) => {
+                log_store_error(&err, "release a key; it stays locked until its lease ends")
+            }
         }
     }
 }

@@ -93,7 +93,11 @@ fn build<St: Store>(layer: IdempotencyLayer<St>, calls: &Calls) -> std::sync::Ar
     })
 }
 
-fn with_header(mut r: Request<Full<Bytes>>, name: &'static str, value: &str) -> Request<Full<Bytes>> {
+fn with_header(
+    mut r: Request<Full<Bytes>>,
+    name: &'static str,
+    value: &str,
+) -> Request<Full<Bytes>> {
     r.headers_mut()
         .append(HeaderName::from_static(name), value.parse().unwrap());
     r
@@ -119,7 +123,10 @@ async fn first_request_runs_and_repeat_replays_byte_for_byte<F: Fixture>(fx: &F)
         assert!(again.replayed());
         assert_eq!(again.headers["content-type"], "text/plain; charset=utf-8");
         assert_eq!(again.headers["x-custom"], "kept");
-        assert!(!again.headers.contains_key("set-cookie"), "cookies are not replayed");
+        assert!(
+            !again.headers.contains_key("set-cookie"),
+            "cookies are not replayed"
+        );
         assert!(!again.headers.contains_key("date"), "date is not replayed");
     }
     assert_eq!(calls.get("/pay"), 1, "handler ran once");
@@ -158,7 +165,10 @@ async fn missing_key_is_400_and_optional_key_passes_through<F: Fixture>(fx: &F) 
     let lax = build(layer(fx.store()).with_key_required(false), &calls);
     let a = lax(req("POST", "/pay", None, "b")).await;
     let b = lax(req("POST", "/pay", None, "b")).await;
-    assert_eq!((a.status, b.status), (StatusCode::CREATED, StatusCode::CREATED));
+    assert_eq!(
+        (a.status, b.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
     assert!(!b.replayed());
     assert_eq!(calls.get("/pay"), 2, "without a key nothing is protected");
 }
@@ -186,7 +196,10 @@ async fn malformed_keys_are_400<F: Fixture>(fx: &F) {
     assert_eq!(calls.total(), 0);
 
     let longest = "k".repeat(255);
-    assert_eq!(app(req("POST", "/pay", Some(&longest), "b")).await.status, 201);
+    assert_eq!(
+        app(req("POST", "/pay", Some(&longest), "b")).await.status,
+        201
+    );
 }
 
 async fn different_payload_is_422_and_keeps_the_stored_answer<F: Fixture>(fx: &F) {
@@ -216,7 +229,9 @@ async fn fingerprint_headers_are_part_of_the_request<F: Fixture>(fx: &F) {
     );
     let json = |ct: &str| with_header(req("POST", "/pay", Some("k"), "{}"), "content-type", ct);
     assert_eq!(app(json("application/json")).await.status, 201);
-    app(json("text/plain")).await.assert_problem(422, "key-reused");
+    app(json("text/plain"))
+        .await
+        .assert_problem(422, "key-reused");
     assert!(app(json("application/json")).await.replayed());
 }
 
@@ -227,10 +242,18 @@ async fn concurrent_repeat_is_409_with_retry_after<F: Fixture>(fx: &F) {
     wait_for(|| calls.get("/slow") == 1).await;
     let second = app(req("POST", "/slow?ms=800", Some("k"), "b")).await;
     second.assert_problem(409, "request-in-progress");
-    let retry: u64 = second.headers["retry-after"].to_str().unwrap().parse().unwrap();
+    let retry: u64 = second.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!((1..=30).contains(&retry), "retry-after {retry}");
     assert_eq!(first.await.unwrap().status, 201);
-    assert!(app(req("POST", "/slow?ms=800", Some("k"), "b")).await.replayed());
+    assert!(
+        app(req("POST", "/slow?ms=800", Some("k"), "b"))
+            .await
+            .replayed()
+    );
     assert_eq!(calls.get("/slow"), 1);
 }
 
@@ -245,7 +268,10 @@ async fn server_errors_release_the_key<F: Fixture>(fx: &F) {
     }
 
     let storing = build(layer(fx.store()).with_store_server_errors(true), &calls);
-    assert_eq!(storing(req("POST", "/fail", Some("k2"), "")).await.status, 500);
+    assert_eq!(
+        storing(req("POST", "/fail", Some("k2"), "")).await.status,
+        500
+    );
     let again = storing(req("POST", "/fail", Some("k2"), "")).await;
     assert_eq!(again.status, 500);
     assert!(again.replayed());
@@ -258,7 +284,10 @@ async fn client_errors_are_stored<F: Fixture>(fx: &F) {
     let first = app(req("POST", "/bad", Some("k"), "")).await;
     assert_eq!(first.status, 400);
     let again = app(req("POST", "/bad", Some("k"), "")).await;
-    assert_eq!((again.status, again.replayed()), (StatusCode::BAD_REQUEST, true));
+    assert_eq!(
+        (again.status, again.replayed()),
+        (StatusCode::BAD_REQUEST, true)
+    );
     assert_eq!(again.body, first.body);
     assert_eq!(calls.get("/bad"), 1);
 }
@@ -277,7 +306,10 @@ async fn handler_panic_releases_the_key<F: Fixture>(fx: &F) {
             assert!(r.unwrap_err().is_panic());
             break;
         }
-        assert!(started.elapsed() < Duration::from_secs(5), "key stayed locked");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "key stayed locked"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -286,7 +318,10 @@ async fn service_error_releases_the_key<F: Fixture>(fx: &F) {
     let calls = Calls::default();
     let svc = layer(fx.store()).layer(support::handler(calls.clone()));
     for n in 1..=2 {
-        let err = svc.clone().oneshot(req("POST", "/error", Some("k"), "")).await;
+        let err = svc
+            .clone()
+            .oneshot(req("POST", "/error", Some("k"), ""))
+            .await;
         assert_eq!(err.unwrap_err().to_string(), "service error");
         assert_eq!(calls.get("/error"), n);
     }
@@ -306,7 +341,10 @@ async fn dropped_request_releases_the_key<F: Fixture>(fx: &F) {
             break;
         }
         r.assert_problem(409, "request-in-progress");
-        assert!(started.elapsed() < Duration::from_secs(5), "key stayed locked");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "key stayed locked"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(calls.get("/slow"), 2);
@@ -321,8 +359,9 @@ async fn oversized_request_body_is_413_and_stores_nothing<F: Fixture>(fx: &F) {
         .assert_problem(413, "body-too-large");
     // Without Content-Length the limit holds while streaming.
     let streamed = {
-        let chunks: Vec<Result<http_body::Frame<Bytes>, std::convert::Infallible>> =
-            (0..3).map(|_| Ok(http_body::Frame::data(Bytes::from("x".repeat(10))))).collect();
+        let chunks: Vec<Result<http_body::Frame<Bytes>, std::convert::Infallible>> = (0..3)
+            .map(|_| Ok(http_body::Frame::data(Bytes::from("x".repeat(10)))))
+            .collect();
         Request::post("/pay")
             .header("idempotency-key", "k")
             .body(http_body_util::StreamBody::new(tokio_stream_iter(chunks)))
@@ -379,11 +418,15 @@ async fn uncovered_methods_pass_through<F: Fixture>(fx: &F) {
 async fn keys_are_scoped<F: Fixture>(fx: &F) {
     let calls = Calls::default();
     let app = build(layer(fx.store()), &calls);
-    let as_tenant = |t: &str, body: &str| with_header(req("POST", "/pay", Some("k"), body), "x-tenant", t);
+    let as_tenant =
+        |t: &str, body: &str| with_header(req("POST", "/pay", Some("k"), body), "x-tenant", t);
     let a = app(as_tenant("a", "for a")).await;
     // Same key, other tenant, other body: independent (no 422, no replay of a's answer).
     let b = app(as_tenant("b", "for b")).await;
-    assert_eq!((a.status, b.status), (StatusCode::CREATED, StatusCode::CREATED));
+    assert_eq!(
+        (a.status, b.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
     assert!(!b.replayed());
     assert_ne!(a.body, b.body);
     let a2 = app(as_tenant("a", "for a")).await;
@@ -394,7 +437,10 @@ async fn keys_are_scoped<F: Fixture>(fx: &F) {
 
 async fn expired_keys_count_as_new<F: Fixture>(fx: &F) {
     let calls = Calls::default();
-    let app = build(layer(fx.store()).with_ttl(Duration::from_millis(600)), &calls);
+    let app = build(
+        layer(fx.store()).with_ttl(Duration::from_millis(600)),
+        &calls,
+    );
     assert_eq!(app(req("POST", "/pay", Some("k"), "1")).await.status, 201);
     assert!(app(req("POST", "/pay", Some("k"), "1")).await.replayed());
     tokio::time::sleep(Duration::from_millis(900)).await;
@@ -426,7 +472,11 @@ async fn lease_runs_out_after_a_crash_and_the_key_is_taken_over<F: Fixture>(fx: 
         .claim(claim_of(&key, b"b", Duration::from_millis(500)))
         .await
         .unwrap();
-    let ClaimOutcome::Acquired { token: stale, takeover: false } = crashed else {
+    let ClaimOutcome::Acquired {
+        token: stale,
+        takeover: false,
+    } = crashed
+    else {
         panic!("{crashed:?}")
     };
     app(req("POST", "/pay", Some("k"), "b"))
@@ -456,38 +506,71 @@ async fn stale_owner_cannot_complete_after_takeover<F: Fixture>(fx: &F) {
     let store = fx.store();
     let key = IdempotencyKey::parse("k").unwrap();
     let lease = Duration::from_millis(300);
-    let ClaimOutcome::Acquired { token: a, .. } = store.claim(claim_of(&key, b"b", lease)).await.unwrap() else {
+    let ClaimOutcome::Acquired { token: a, .. } =
+        store.claim(claim_of(&key, b"b", lease)).await.unwrap()
+    else {
         panic!()
     };
     tokio::time::sleep(Duration::from_millis(450)).await;
-    let ClaimOutcome::Acquired { token: b, takeover } = store.claim(claim_of(&key, b"b", lease)).await.unwrap() else {
+    let ClaimOutcome::Acquired { token: b, takeover } =
+        store.claim(claim_of(&key, b"b", lease)).await.unwrap()
+    else {
         panic!()
     };
     assert!(takeover);
     assert_ne!(a, b);
-    let resp = |s: &'static str| StoredResponse::new(StatusCode::OK, http::HeaderMap::new(), Bytes::from(s));
+    let resp = |s: &'static str| {
+        StoredResponse::new(StatusCode::OK, http::HeaderMap::new(), Bytes::from(s))
+    };
     let ttl = Duration::from_secs(60);
-    assert!(!store.complete("", &key, a, &resp("from a"), ttl).await.unwrap());
-    assert!(store.complete("", &key, b, &resp("from b"), ttl).await.unwrap());
-    assert!(!store.complete("", &key, a, &resp("from a"), ttl).await.unwrap());
+    assert!(
+        !store
+            .complete("", &key, a, &resp("from a"), ttl)
+            .await
+            .unwrap()
+    );
+    assert!(
+        store
+            .complete("", &key, b, &resp("from b"), ttl)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .complete("", &key, a, &resp("from a"), ttl)
+            .await
+            .unwrap()
+    );
     let replay = store.claim(claim_of(&key, b"b", lease)).await.unwrap();
     assert_eq!(replay, ClaimOutcome::Completed(resp("from b")));
     // Released keys are claimed with new tokens: a token is never reused.
     let k2 = IdempotencyKey::parse("k2").unwrap();
-    let ClaimOutcome::Acquired { token: c, .. } = store.claim(claim_of(&k2, b"b", lease)).await.unwrap() else {
+    let ClaimOutcome::Acquired { token: c, .. } =
+        store.claim(claim_of(&k2, b"b", lease)).await.unwrap()
+    else {
         panic!()
     };
     assert!(store.release("", &k2, c).await.unwrap());
-    let ClaimOutcome::Acquired { token: d, .. } = store.claim(claim_of(&k2, b"b", lease)).await.unwrap() else {
+    let ClaimOutcome::Acquired { token: d, .. } =
+        store.claim(claim_of(&k2, b"b", lease)).await.unwrap()
+    else {
         panic!()
     };
     assert_ne!(c, d);
-    assert!(!store.complete("", &k2, c, &resp("stale"), ttl).await.unwrap());
+    assert!(
+        !store
+            .complete("", &k2, c, &resp("stale"), ttl)
+            .await
+            .unwrap()
+    );
 }
 
 async fn lease_renewal_keeps_a_slow_handler_from_being_taken_over<F: Fixture>(fx: &F) {
     let calls = Calls::default();
-    let app = build(layer(fx.store()).with_lease(Duration::from_millis(300)), &calls);
+    let app = build(
+        layer(fx.store()).with_lease(Duration::from_millis(300)),
+        &calls,
+    );
     let first = tokio::spawn(app(req("POST", "/slow?ms=1500", Some("k"), "b")));
     wait_for(|| calls.get("/slow") == 1).await;
     // Well past the lease: the renewals must have kept it.
@@ -508,7 +591,12 @@ async fn fifty_concurrent_requests_run_the_handler_once<F: Fixture>(fx: &F) {
     let mut tasks = Vec::new();
     for i in 0..50 {
         let app = if i % 2 == 0 { one.clone() } else { two.clone() };
-        tasks.push(tokio::spawn(app(req("POST", "/slow?ms=300", Some("race"), "b"))));
+        tasks.push(tokio::spawn(app(req(
+            "POST",
+            "/slow?ms=300",
+            Some("race"),
+            "b",
+        ))));
     }
     let mut created = 0;
     for t in tasks {
@@ -546,7 +634,12 @@ async fn oversized_response_reaches_the_client_and_is_never_rerun<F: Fixture>(fx
 async fn handler_sees_the_key<F: Fixture>(fx: &F) {
     let calls = Calls::default();
     let app = build(layer(fx.store()), &calls);
-    assert_eq!(app(req("POST", "/key", Some("\"q\\\"k\""), "")).await.text(), "q\"k");
+    assert_eq!(
+        app(req("POST", "/key", Some("\"q\\\"k\""), ""))
+            .await
+            .text(),
+        "q\"k"
+    );
 }
 
 async fn custom_header_names_the_key<F: Fixture>(fx: &F) {
@@ -571,15 +664,24 @@ async fn purge_deletes_expired_records_in_batches<F: Fixture>(fx: &F) {
         let key = IdempotencyKey::parse(&format!("old{i}")).unwrap();
         let mut c = claim_of(&key, b"", Duration::from_secs(5));
         c.ttl = short;
-        assert!(matches!(store.claim(c).await.unwrap(), ClaimOutcome::Acquired { .. }));
+        assert!(matches!(
+            store.claim(c).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
     }
     let keep = IdempotencyKey::parse("fresh").unwrap();
-    store.claim(claim_of(&keep, b"", Duration::from_secs(5))).await.unwrap();
+    store
+        .claim(claim_of(&keep, b"", Duration::from_secs(5)))
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(store.purge_expired(3).await.unwrap(), 7);
     assert_eq!(store.purge_expired(3).await.unwrap(), 0);
     assert!(matches!(
-        store.claim(claim_of(&keep, b"", Duration::from_secs(5))).await.unwrap(),
+        store
+            .claim(claim_of(&keep, b"", Duration::from_secs(5)))
+            .await
+            .unwrap(),
         ClaimOutcome::InFlight { .. }
     ));
 }
@@ -587,7 +689,10 @@ async fn purge_deletes_expired_records_in_batches<F: Fixture>(fx: &F) {
 async fn wait_for(mut cond: impl FnMut() -> bool) {
     let started = std::time::Instant::now();
     while !cond() {
-        assert!(started.elapsed() < Duration::from_secs(10), "condition not reached");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "condition not reached"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }

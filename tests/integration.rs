@@ -35,7 +35,10 @@ fn counting_router(calls: Arc<AtomicUsize>) -> Router {
             async move {
                 let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
                 let charge_key = key.derive("charge").unwrap();
-                (StatusCode::CREATED, format!("charge #{n} with {charge_key}"))
+                (
+                    StatusCode::CREATED,
+                    format!("charge #{n} with {charge_key}"),
+                )
             }
         }),
     )
@@ -45,10 +48,18 @@ fn counting_router(calls: Arc<AtomicUsize>) -> Router {
 async fn router_layer_and_extractor() {
     let calls = Arc::new(AtomicUsize::new(0));
     let app = counting_router(calls.clone()).layer(IdempotencyLayer::new(MemoryStore::new()));
-    let first = app.clone().oneshot(post_req("/charges", Some("k"))).await.unwrap();
+    let first = app
+        .clone()
+        .oneshot(post_req("/charges", Some("k")))
+        .await
+        .unwrap();
     assert_eq!(first.status(), StatusCode::CREATED);
     assert_eq!(text(first).await, "charge #1 with k:charge");
-    let again = app.clone().oneshot(post_req("/charges", Some("k"))).await.unwrap();
+    let again = app
+        .clone()
+        .oneshot(post_req("/charges", Some("k")))
+        .await
+        .unwrap();
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(text(again).await, "charge #1 with k:charge");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
@@ -60,15 +71,25 @@ async fn router_layer_and_extractor() {
 #[tokio::test]
 async fn route_layer_leaves_unknown_paths_alone() {
     let calls = Arc::new(AtomicUsize::new(0));
-    let app =
-        counting_router(calls.clone()).route_layer(IdempotencyLayer::new(MemoryStore::new()));
+    let app = counting_router(calls.clone()).route_layer(IdempotencyLayer::new(MemoryStore::new()));
     let unknown = app.clone().oneshot(post_req("/nope", None)).await.unwrap();
     assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
-    let missing = app.clone().oneshot(post_req("/charges", None)).await.unwrap();
+    let missing = app
+        .clone()
+        .oneshot(post_req("/charges", None))
+        .await
+        .unwrap();
     assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
-    assert_eq!(missing.headers()["content-type"], "application/problem+json");
     assert_eq!(
-        app.clone().oneshot(post_req("/charges", Some("k"))).await.unwrap().status(),
+        missing.headers()["content-type"],
+        "application/problem+json"
+    );
+    assert_eq!(
+        app.clone()
+            .oneshot(post_req("/charges", Some("k")))
+            .await
+            .unwrap()
+            .status(),
         StatusCode::CREATED
     );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
@@ -82,7 +103,11 @@ async fn extractor_without_the_layer_is_a_500_and_optional_is_none() {
             "/maybe",
             post(|k: Option<IdempotencyKey>| async move { format!("{k:?}") }),
         );
-    let need = app.clone().oneshot(post_req("/need", Some("k"))).await.unwrap();
+    let need = app
+        .clone()
+        .oneshot(post_req("/need", Some("k")))
+        .await
+        .unwrap();
     assert_eq!(need.status(), StatusCode::INTERNAL_SERVER_ERROR);
     let maybe = app.oneshot(post_req("/maybe", Some("k"))).await.unwrap();
     assert_eq!(text(maybe).await, "None");

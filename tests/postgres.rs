@@ -62,10 +62,19 @@ async fn missing_schema_is_a_schema_error_and_a_503() {
     let store = PostgresStore::new(pool.clone()); // migrate() not run
     let calls = Calls::default();
     let svc = IdempotencyLayer::new(store.clone()).layer(support::handler(calls.clone()));
-    let a = read(svc.oneshot(req("POST", "/pay", Some("k"), "")).await.unwrap()).await;
+    let a = read(
+        svc.oneshot(req("POST", "/pay", Some("k"), ""))
+            .await
+            .unwrap(),
+    )
+    .await;
     a.assert_problem(503, "store-unavailable");
     assert_eq!(a.headers["retry-after"], "1");
-    assert_eq!(calls.total(), 0, "fail closed: the handler must not run unprotected");
+    assert_eq!(
+        calls.total(),
+        0,
+        "fail closed: the handler must not run unprotected"
+    );
     let err = store.purge_expired(10).await.unwrap_err();
     match err {
         StoreError::Schema(msg) => assert!(msg.contains("migrate"), "{msg}"),
@@ -83,12 +92,24 @@ async fn unreachable_database_is_a_503_and_the_handler_does_not_run() {
         .connect_lazy("postgres://postgres@127.0.0.1:1/postgres")
         .unwrap();
     let calls = Calls::default();
-    let svc = IdempotencyLayer::new(PostgresStore::new(pool)).layer(support::handler(calls.clone()));
-    let a = read(svc.clone().oneshot(req("POST", "/pay", Some("k"), "")).await.unwrap()).await;
+    let svc =
+        IdempotencyLayer::new(PostgresStore::new(pool)).layer(support::handler(calls.clone()));
+    let a = read(
+        svc.clone()
+            .oneshot(req("POST", "/pay", Some("k"), ""))
+            .await
+            .unwrap(),
+    )
+    .await;
     a.assert_problem(503, "store-unavailable");
     assert_eq!(calls.total(), 0);
     // Requests the layer does not cover never touch the store.
-    let get = read(svc.oneshot(req("GET", "/pay", Some("k"), "")).await.unwrap()).await;
+    let get = read(
+        svc.oneshot(req("GET", "/pay", Some("k"), ""))
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(get.status, 201);
     assert_eq!(calls.total(), 1);
 }
@@ -101,7 +122,12 @@ async fn records_store_headers_and_times_from_the_database_clock() {
     let svc = IdempotencyLayer::new(store.clone())
         .with_ttl(Duration::from_secs(3600))
         .layer(support::handler(calls.clone()));
-    let a = read(svc.oneshot(req("POST", "/pay", Some("k"), "b")).await.unwrap()).await;
+    let a = read(
+        svc.oneshot(req("POST", "/pay", Some("k"), "b"))
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(a.status, 201);
     let (status, ttl_ok, lease): (i16, bool, Option<i64>) = sqlx::query_as(
         "SELECT response_status,

@@ -1,5 +1,5 @@
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -88,11 +88,9 @@ impl MemoryStore {
     }
 
     fn shard(&self, id: &RecordId) -> MutexGuard<'_, HashMap<RecordId, Entry>> {
-        let mut h = self.inner.hasher.build_hasher();
-        id.hash(&mut h);
         // Reducing modulo SHARDS keeps the value below 16; the truncation is the point.
         #[allow(clippy::cast_possible_truncation)]
-        let i = (h.finish() % SHARDS as u64) as usize;
+        let i = (self.inner.hasher.hash_one(id) % SHARDS as u64) as usize;
         lock(&self.inner.shards[i])
     }
 
@@ -205,7 +203,11 @@ impl Store for MemoryStore {
     ) -> Result<bool, StoreError> {
         Ok(self.with_entry(scope, key, |entry, now| match entry {
             Some(Entry {
-                state: State::InProgress { token: t, lease_until },
+                state:
+                    State::InProgress {
+                        token: t,
+                        lease_until,
+                    },
                 ..
             }) if *t == token => {
                 *lease_until = now + lease;

@@ -162,7 +162,10 @@ pub fn spawn_purge_task<St: Store>(
             match store.purge_expired(batch_size).await {
                 Ok(0) => {}
                 Ok(n) => tracing::debug!(deleted = n, "purged expired idempotency keys"),
-                Err(e) => tracing::warn!(error = &e as &dyn std::error::Error, "purging expired idempotency keys failed"),
+                Err(e) => tracing::warn!(
+                    error = &e as &dyn std::error::Error,
+                    "purging expired idempotency keys failed"
+                ),
             }
         }
     })

@@ -173,11 +173,13 @@ pub fn handler(
                 "/key" => return Ok(full(StatusCode::OK, key.unwrap_or_default())),
                 "/big" => {
                     let total = usize::try_from(num("n")).unwrap();
-                    let chunks: Vec<Result<http_body::Frame<Bytes>, std::io::Error>> = (0
-                        ..total.div_ceil(1024))
+                    let chunks: Vec<Result<http_body::Frame<Bytes>, std::io::Error>> = (0..total
+                        .div_ceil(1024))
                         .map(|i| {
                             let len = (total - i * 1024).min(1024);
-                            Ok(http_body::Frame::data(Bytes::from(vec![b'a' + (i % 26) as u8; len])))
+                            Ok(http_body::Frame::data(Bytes::from(
+                                vec![b"abcdefghijklmnopqrstuvwxyz"[i % 26]; len],
+                            )))
                         })
                         .collect();
                     let stream = futures_stream(chunks);
@@ -196,10 +198,16 @@ pub fn handler(
                 ),
             );
             let h = res.headers_mut();
-            h.insert("content-type", HeaderValue::from_static("text/plain; charset=utf-8"));
+            h.insert(
+                "content-type",
+                HeaderValue::from_static("text/plain; charset=utf-8"),
+            );
             h.insert("x-custom", HeaderValue::from_static("kept"));
             h.insert("set-cookie", HeaderValue::from_static("session=secret"));
-            h.insert("date", HeaderValue::from_static("Mon, 30 Nov 2026 00:00:00 GMT"));
+            h.insert(
+                "date",
+                HeaderValue::from_static("Mon, 30 Nov 2026 00:00:00 GMT"),
+            );
             Ok(res)
         }
     })
@@ -252,7 +260,9 @@ impl Answer {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.text()))
     }
     pub fn replayed(&self) -> bool {
-        self.headers.get("idempotent-replayed").is_some_and(|v| v == "true")
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
     }
     /// Asserts a problem+json answer with this status and problem code.
     pub fn assert_problem(&self, status: u16, code: &str) {
