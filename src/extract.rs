@@ -44,3 +44,53 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyKey {
         Ok(parts.extensions.get::<IdempotencyKey>().cloned())
     }
 }
+
+#[cfg(feature = "postgres")]
+mod tx {
+    use super::*;
+    use crate::transactional::IdempotentTx;
+
+    /// Rejection of the [`IdempotentTx`] extractor: the route is not behind a transactional
+    /// [`IdempotencyLayer`](crate::IdempotencyLayer), or the request had no key. A server bug,
+    /// so it answers `500`.
+    #[derive(Debug, Clone, Copy, thiserror::Error)]
+    #[error(
+        "no idempotent transaction: is the route behind IdempotencyLayer::new(store.transactional())?"
+    )]
+    pub struct MissingIdempotentTx;
+
+    impl IntoResponse for MissingIdempotentTx {
+        fn into_response(self) -> Response {
+            (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+        }
+    }
+
+    impl<S: Send + Sync> FromRequestParts<S> for IdempotentTx {
+        type Rejection = MissingIdempotentTx;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Self, Self::Rejection> {
+            parts
+                .extensions
+                .get::<IdempotentTx>()
+                .cloned()
+                .ok_or(MissingIdempotentTx)
+        }
+    }
+
+    impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotentTx {
+        type Rejection = std::convert::Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<IdempotentTx>().cloned())
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+pub use tx::MissingIdempotentTx;

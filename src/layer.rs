@@ -15,11 +15,19 @@ use crate::service::Idempotency;
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+pub(crate) type KeyFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// Where the key of a request comes from.
+#[derive(Clone)]
+pub(crate) enum KeySource {
+    Header(HeaderName),
+    Fn(Arc<KeyFn>),
+}
 type RejectionFn = dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync;
 
 #[derive(Clone)]
 pub(crate) struct Config {
-    pub(crate) header: HeaderName,
+    pub(crate) key_source: KeySource,
     pub(crate) methods: Vec<Method>,
     pub(crate) key_required: bool,
     pub(crate) lease: Duration,
@@ -36,7 +44,7 @@ pub(crate) struct Config {
 impl Default for Config {
     fn default() -> Self {
         Self {
-            header: IDEMPOTENCY_KEY,
+            key_source: KeySource::Header(IDEMPOTENCY_KEY),
             methods: vec![Method::POST, Method::PATCH],
             key_required: true,
             lease: Duration::from_secs(30),
@@ -68,7 +76,13 @@ impl Config {
 impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Config")
-            .field("header", &self.header)
+            .field(
+                "key_source",
+                &match &self.key_source {
+                    KeySource::Header(h) => h.as_str(),
+                    KeySource::Fn(_) => "<fn>",
+                },
+            )
             .field("methods", &self.methods)
             .field("key_required", &self.key_required)
             .field("lease", &self.lease)
@@ -130,7 +144,30 @@ impl<St> IdempotencyLayer<St> {
     /// The header that carries the key. Default `Idempotency-Key`; a webhook receiver may use
     /// `webhook-id` (Standard Webhooks) or `X-GitHub-Delivery`.
     pub fn with_header(self, header: HeaderName) -> Self {
-        self.with(|c| c.header = header)
+        self.with(|c| c.key_source = KeySource::Header(header))
+    }
+
+    /// Takes the key from the request head with a function instead of a header, for senders
+    /// that identify a delivery some other way (a query parameter, a header that must be
+    /// combined with another). `None` is a missing key. The result is validated like a header
+    /// value (1 to 255 visible ASCII characters, bare or quoted), so a bad value is a `400`.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // GitHub names each delivery in X-GitHub-Delivery; key on event and delivery.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_key_from(|parts| {
+    ///     let event = parts.headers.get("x-github-event")?.to_str().ok()?;
+    ///     let id = parts.headers.get("x-github-delivery")?.to_str().ok()?;
+    ///     Some(format!("{event}:{id}"))
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn with_key_from<F>(self, key: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.with(|c| c.key_source = KeySource::Fn(Arc::new(key)))
     }
 
     /// The methods the layer covers. Default `POST` and `PATCH`; requests with other methods

@@ -172,23 +172,31 @@ pub mod fingerprint;
 pub mod future;
 mod key;
 mod layer;
+mod mode;
 pub mod rejection;
 pub mod response;
 mod service;
 pub mod store;
+#[cfg(feature = "postgres")]
+pub mod transactional;
 
 pub use error::{BoxError, StoreError};
 #[cfg(feature = "axum")]
 pub use extract::MissingIdempotencyKey;
+#[cfg(all(feature = "axum", feature = "postgres"))]
+pub use extract::MissingIdempotentTx;
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer};
+pub use mode::Mode;
 pub use rejection::Rejection;
 pub use response::{IDEMPOTENT_REPLAYED, StoredResponse};
 pub use service::Idempotency;
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
 pub use store::{ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, spawn_purge_task};
+#[cfg(feature = "postgres")]
+pub use transactional::{IdempotentTx, Transactional, TxConn, TxFinished};
 
 pub mod problems {
     //! The problem types of the layer's own answers (RFC 9457 `type` URIs point here).

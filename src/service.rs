@@ -18,7 +18,8 @@ use crate::error::{BoxError, StoreError};
 use crate::fingerprint::Fingerprinter;
 use crate::future::ResponseFuture;
 use crate::key::IdempotencyKey;
-use crate::layer::Config;
+use crate::layer::{Config, KeySource};
+use crate::mode::{Keyed, Mode, Sealed};
 use crate::rejection::Rejection;
 use crate::response::{IDEMPOTENT_REPLAYED, StoredResponse, replayable_headers};
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
@@ -68,7 +69,7 @@ where
         + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    St: Store,
+    St: Mode,
     ReqBody: Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: Body<Data = Bytes> + Send + 'static,
@@ -86,7 +87,8 @@ where
         if !self.config.covers(req.method()) {
             return ResponseFuture::passthrough(self.inner.call(req.map(RequestBody::passthrough)));
         }
-        let key = match read_key(req.headers(), &self.config) {
+        let (req, key) = read_key(req, &self.config);
+        let key = match key {
             Ok(Some(key)) => key,
             Ok(None) => {
                 return ResponseFuture::passthrough(
@@ -115,25 +117,50 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let span = tracing::debug_span!("idempotency", key = %key, outcome = tracing::field::Empty);
-        let run = Run {
-            store: self.store.clone(),
+        let keyed = Keyed {
             config: self.config.clone(),
             key,
         };
-        ResponseFuture::keyed(Box::pin(run.run(inner, req).instrument(span)))
+        let run = Sealed::execute(self.store.clone(), keyed, inner, req);
+        ResponseFuture::keyed(Box::pin(run.instrument(span)))
     }
 }
 
 /// The key of a covered request: `Ok(None)` when it has none and none is required.
-fn read_key(headers: &HeaderMap, config: &Config) -> Result<Option<IdempotencyKey>, Rejection> {
-    let mut values = headers.get_all(&config.header).iter();
-    match (values.next(), values.next()) {
-        (None, _) if config.key_required => Err(Rejection::MissingKey),
-        (None, _) => Ok(None),
-        (Some(_), Some(_)) => Err(Rejection::MultipleKeys),
-        (Some(v), None) => IdempotencyKey::from_header(v)
-            .map(Some)
-            .map_err(Rejection::InvalidKey),
+fn read_key<B>(
+    req: Request<B>,
+    config: &Config,
+) -> (Request<B>, Result<Option<IdempotencyKey>, Rejection>) {
+    let found = match &config.key_source {
+        KeySource::Header(name) => {
+            let mut values = req.headers().get_all(name).iter();
+            match (values.next(), values.next()) {
+                (None, _) => Ok(None),
+                (Some(_), Some(_)) => Err(Rejection::MultipleKeys),
+                (Some(v), None) => IdempotencyKey::from_header(v)
+                    .map(Some)
+                    .map_err(Rejection::InvalidKey),
+            }
+        }
+        KeySource::Fn(f) => {
+            let (parts, body) = req.into_parts();
+            let key = f(&parts);
+            let found = key
+                .map(|k| IdempotencyKey::parse(&k).map_err(Rejection::InvalidKey))
+                .transpose();
+            return (Request::from_parts(parts, body), missing(found, config));
+        }
+    };
+    (req, missing(found, config))
+}
+
+fn missing(
+    found: Result<Option<IdempotencyKey>, Rejection>,
+    config: &Config,
+) -> Result<Option<IdempotencyKey>, Rejection> {
+    match found {
+        Ok(None) if config.key_required => Err(Rejection::MissingKey),
+        other => other,
     }
 }
 
@@ -146,13 +173,13 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
-fn render<B: Body>(config: &Config, rejection: &Rejection) -> Response<ResponseBody<B>> {
+pub(crate) fn render<B: Body>(config: &Config, rejection: &Rejection) -> Response<ResponseBody<B>> {
     config.reject(rejection).map(ResponseBody::full)
 }
 
 /// What happened to a keyed request: the `outcome` of its tracing span and metrics counter.
 #[derive(Clone, Copy, Debug)]
-enum Outcome {
+pub(crate) enum Outcome {
     /// The handler ran (key acquired fresh).
     Executed,
     /// The handler ran after taking over a key whose lease ran out.
@@ -183,7 +210,7 @@ impl Outcome {
     }
 }
 
-fn record(outcome: Outcome) {
+pub(crate) fn record(outcome: Outcome) {
     tracing::Span::current().record("outcome", outcome.as_str());
     tracing::debug!(outcome = outcome.as_str(), "idempotency outcome");
     #[cfg(feature = "metrics")]
@@ -191,33 +218,33 @@ fn record(outcome: Outcome) {
         .increment(1);
 }
 
-fn log_store_error(err: &StoreError, what: &'static str) {
+pub(crate) fn log_store_error(err: &StoreError, what: &'static str) {
     tracing::error!(
         error = err as &dyn std::error::Error,
         "idempotency store failed to {what}"
     );
 }
 
-struct Run<St> {
-    store: St,
-    config: Arc<Config>,
-    key: IdempotencyKey,
+pub(crate) struct Run<St> {
+    pub(crate) store: St,
+    pub(crate) config: Arc<Config>,
+    pub(crate) key: IdempotencyKey,
 }
 
 /// A request body read in full: its chunks (not copied), trailers and fingerprint input.
-struct Buffered {
-    chunks: VecDeque<Bytes>,
-    trailers: Option<HeaderMap>,
+pub(crate) struct Buffered {
+    pub(crate) chunks: VecDeque<Bytes>,
+    pub(crate) trailers: Option<HeaderMap>,
 }
 
-enum Collected<B: Body> {
+pub(crate) enum Collected<B: Body> {
     Complete(Bytes),
     TooLarge(VecDeque<Bytes>, std::pin::Pin<Box<B>>),
     Failed(VecDeque<Bytes>, B::Error),
 }
 
 impl<St: Store> Run<St> {
-    async fn run<S, ReqBody, ResBody>(
+    pub(crate) async fn run<S, ReqBody, ResBody>(
         self,
         mut inner: S,
         req: Request<ReqBody>,
@@ -363,7 +390,7 @@ impl<St: Store> Run<St> {
     }
 }
 
-async fn read_body<B>(
+pub(crate) async fn read_body<B>(
     body: B,
     fingerprinter: &mut Fingerprinter,
     limit: usize,
@@ -407,7 +434,7 @@ where
 }
 
 /// Reads a response body up to `limit` bytes. Trailers are not kept.
-async fn collect<B: Body<Data = Bytes>>(body: B, limit: usize) -> Collected<B> {
+pub(crate) async fn collect<B: Body<Data = Bytes>>(body: B, limit: usize) -> Collected<B> {
     let mut body = Box::pin(body);
     let mut chunks = VecDeque::new();
     let mut len = 0usize;
@@ -441,7 +468,10 @@ async fn collect<B: Body<Data = Bytes>>(body: B, limit: usize) -> Collected<B> {
     })
 }
 
-fn replay<B: Body>(config: &Config, stored: StoredResponse) -> Response<ResponseBody<B>> {
+pub(crate) fn replay<B: Body>(
+    config: &Config,
+    stored: StoredResponse,
+) -> Response<ResponseBody<B>> {
     let (status, mut headers, body) = stored.into_parts();
     let Some(body) = body else {
         return render(

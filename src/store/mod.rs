@@ -30,7 +30,7 @@ use crate::response::StoredResponse;
 
 mod memory;
 #[cfg(feature = "postgres")]
-mod postgres;
+pub(crate) mod postgres;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]

@@ -123,13 +123,13 @@ impl PostgresStore {
 
 /// Milliseconds for an interval parameter, clamped to 100 years so Postgres never sees an
 /// out-of-range interval.
-fn millis(d: Duration) -> i64 {
+pub(crate) fn millis(d: Duration) -> i64 {
     const MAX: u128 = 100 * 365 * 24 * 3600 * 1000;
     i64::try_from(d.as_millis().min(MAX)).unwrap_or(i64::MAX)
 }
 
 /// Maps a database error, recognising a missing schema by its SQLSTATE.
-fn db_error(err: sqlx::Error) -> StoreError {
+pub(crate) fn db_error(err: sqlx::Error) -> StoreError {
     if let Some(db) = err.as_database_error() {
         // 42P01 undefined_table, 42704 undefined_object (the sequence).
         if matches!(db.code().as_deref(), Some("42P01" | "42704")) {
@@ -257,6 +257,13 @@ fn decide(row: &PgRow, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
             retry_after: Duration::from_millis(left),
         }));
     }
+    Ok(Decision::Done(ClaimOutcome::Completed(decode_response(
+        row,
+    )?)))
+}
+
+/// Reads the stored response of a completed record from `row`.
+pub(crate) fn decode_response(row: &PgRow) -> Result<StoredResponse, StoreError> {
     let status: Option<i16> = row.try_get("response_status")?;
     let status = status
         .and_then(|s| u16::try_from(s).ok())
@@ -265,11 +272,10 @@ fn decide(row: &PgRow, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
     let headers: Option<Vec<u8>> = row.try_get("response_headers")?;
     let headers = StoredResponse::decode_headers(headers.as_deref().unwrap_or_default())?;
     let body: Option<Vec<u8>> = row.try_get("response_body")?;
-    let response = match body {
+    Ok(match body {
         Some(b) => StoredResponse::new(status, headers, Bytes::from(b)),
         None => StoredResponse::without_body(status, headers),
-    };
-    Ok(Decision::Done(ClaimOutcome::Completed(response)))
+    })
 }
 
 impl Store for PostgresStore {

@@ -246,6 +246,7 @@ pub fn req(method: &str, uri: &str, key: Option<&str>, body: &str) -> Request<Fu
 }
 
 /// A response read in full.
+#[derive(Debug)]
 pub struct Answer {
     pub status: StatusCode,
     pub headers: http::HeaderMap,

@@ -1,0 +1,271 @@
+//! Transactional mode against a real Postgres: the key and the handler's writes commit
+//! together, or not at all.
+#![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use sqlx::PgPool;
+use support::{Answer, PgSchema, read, req};
+use tower::{Layer, ServiceExt};
+use tower_idempotency::{IdempotencyLayer, IdempotentTx, PostgresStore, body::RequestBody};
+
+struct Fx {
+    schema: PgSchema,
+    store: PostgresStore,
+    /// A separate pool for checks and for killing connections.
+    admin: PgPool,
+}
+
+impl Fx {
+    async fn new() -> Fx {
+        let schema = PgSchema::new().await;
+        let store = schema.store().await;
+        let admin = schema.pool(4).await;
+        sqlx::query("CREATE TABLE payments (id bigserial PRIMARY KEY, note text NOT NULL)")
+            .execute(&admin)
+            .await
+            .unwrap();
+        Fx {
+            schema,
+            store,
+            admin,
+        }
+    }
+
+    async fn payments(&self) -> i64 {
+        let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM payments")
+            .fetch_one(&self.admin)
+            .await
+            .unwrap();
+        n
+    }
+
+    async fn keys(&self) -> i64 {
+        let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM tower_idempotency_keys")
+            .fetch_one(&self.admin)
+            .await
+            .unwrap();
+        n
+    }
+
+    /// The transactional layer over a handler that writes a payment row through the request's
+    /// transaction, then does what the path says.
+    fn app(
+        &self,
+    ) -> impl Fn(Request<Full<Bytes>>) -> std::pin::Pin<Box<dyn Future<Output = Answer> + Send>>
+    + Clone
+    + use<> {
+        let admin = self.admin.clone();
+        let handler = tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
+            let admin = admin.clone();
+            async move {
+                let tx = req.extensions().get::<IdempotentTx>().unwrap().clone();
+                let path = req.uri().path().to_owned();
+                let (id,): (i64,) =
+                    sqlx::query_as("INSERT INTO payments (note) VALUES ($1) RETURNING id")
+                        .bind(&path)
+                        .fetch_one(&mut *tx.conn().await.unwrap())
+                        .await
+                        .unwrap();
+                let status = match path.as_str() {
+                    "/fail" => StatusCode::INTERNAL_SERVER_ERROR,
+                    "/bad" => StatusCode::BAD_REQUEST,
+                    "/error" => return Err(std::io::Error::other("handler error")),
+                    "/panic" => panic!("handler panicked on purpose"),
+                    "/slow" => {
+                        tokio::time::sleep(Duration::from_millis(1500)).await;
+                        StatusCode::CREATED
+                    }
+                    "/kill" => {
+                        // The connection dies after the write, before the layer commits.
+                        let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+                            .fetch_one(&mut *tx.conn().await.unwrap())
+                            .await
+                            .unwrap();
+                        sqlx::query("SELECT pg_terminate_backend($1)")
+                            .bind(pid)
+                            .execute(&admin)
+                            .await
+                            .unwrap();
+                        StatusCode::CREATED
+                    }
+                    _ => StatusCode::CREATED,
+                };
+                let mut res = Response::new(Full::new(Bytes::from(format!("payment {id}"))));
+                *res.status_mut() = status;
+                Ok::<_, std::io::Error>(res)
+            }
+        });
+        let svc = IdempotencyLayer::new(self.store.transactional()).layer(handler);
+        move |r| {
+            let svc = svc.clone();
+            Box::pin(async move { read(svc.oneshot(r).await.unwrap()).await })
+        }
+    }
+
+    async fn cleanup(self) {
+        self.store.pool().close().await;
+        self.admin.close().await;
+        self.schema.drop_schema().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_and_writes_commit_together_and_repeats_replay() {
+    let fx = Fx::new().await;
+    let app = fx.app();
+    let first = app(req("POST", "/pay", Some("k"), "b")).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!((fx.payments().await, fx.keys().await), (1, 1));
+    for _ in 0..2 {
+        let again = app(req("POST", "/pay", Some("k"), "b")).await;
+        assert!(again.replayed());
+        assert_eq!(again.body, first.body);
+    }
+    app(req("POST", "/pay", Some("k"), "other"))
+        .await
+        .assert_problem(422, "key-reused");
+    // 4xx answers commit too.
+    assert_eq!(app(req("POST", "/bad", Some("k2"), "")).await.status, 400);
+    assert!(app(req("POST", "/bad", Some("k2"), "")).await.replayed());
+    assert_eq!(fx.payments().await, 2);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_error_handler_error_and_panic_roll_everything_back() {
+    let fx = Fx::new().await;
+    let app = fx.app();
+    for _ in 0..2 {
+        assert_eq!(app(req("POST", "/fail", Some("f"), "")).await.status, 500);
+    }
+    let svc_err = {
+        let handler = tower::service_fn(|req: Request<RequestBody<Full<Bytes>>>| async move {
+            let tx = req.extensions().get::<IdempotentTx>().unwrap().clone();
+            sqlx::query("INSERT INTO payments (note) VALUES ('error')")
+                .execute(&mut *tx.conn().await.unwrap())
+                .await
+                .unwrap();
+            Err::<Response<Full<Bytes>>, _>(std::io::Error::other("handler error"))
+        });
+        IdempotencyLayer::new(fx.store.transactional()).layer(handler)
+    };
+    let err = svc_err.oneshot(req("POST", "/error", Some("e"), "")).await;
+    assert!(err.is_err());
+    let panicked = tokio::spawn(app(req("POST", "/panic", Some("p"), ""))).await;
+    assert!(panicked.unwrap_err().is_panic());
+    assert_eq!(
+        (fx.payments().await, fx.keys().await),
+        (0, 0),
+        "nothing committed"
+    );
+    // No lease to wait for: the retry after the panic runs at once.
+    let retry = app(req("POST", "/pay", Some("p"), "")).await;
+    // (A different path from the panicking request: the key was never stored, so no 422.)
+    assert_eq!(retry.status, 201);
+    assert_eq!(fx.payments().await, 1);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_killed_before_commit_stores_nothing_and_the_retry_runs_once() {
+    let fx = Fx::new().await;
+    let app = fx.app();
+    let killed = app(req("POST", "/kill", Some("k"), "b")).await;
+    killed.assert_problem(503, "store-unavailable");
+    assert_eq!((fx.payments().await, fx.keys().await), (0, 0));
+    // The retry runs at once (the dead connection released the advisory lock) and once.
+    let svc = fx.app();
+    let retry = svc(req("POST", "/pay", Some("k"), "b")).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert!(svc(req("POST", "/pay", Some("k"), "b")).await.replayed());
+    assert_eq!((fx.payments().await, fx.keys().await), (1, 1));
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_duplicate_gets_409_without_waiting_for_the_first() {
+    let fx = Fx::new().await;
+    let app = fx.app();
+    let first = tokio::spawn(app(req("POST", "/slow", Some("k"), "b")));
+    // Wait until the first request holds its transaction (its row is written, uncommitted).
+    let started = std::time::Instant::now();
+    loop {
+        let (n,): (i64,) =
+            sqlx::query_as("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted")
+                .fetch_one(&fx.admin)
+                .await
+                .unwrap();
+        if n > 0 {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let second = app(req("POST", "/slow", Some("k"), "b")).await;
+    assert!(
+        !first.is_finished(),
+        "the duplicate must not wait for the first"
+    );
+    second.assert_problem(409, "request-in-progress");
+    assert!(second.headers.contains_key("retry-after"));
+    assert_eq!(first.await.unwrap().status, 201);
+    assert!(app(req("POST", "/slow", Some("k"), "b")).await.replayed());
+    assert_eq!(fx.payments().await, 1);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_duplicates_make_one_payment_row() {
+    let fx = Fx::new().await;
+    let app = fx.app();
+    let tasks: Vec<_> = (0..50)
+        .map(|_| tokio::spawn(app(req("POST", "/pay", Some("race"), "b"))))
+        .collect();
+    let mut created = 0;
+    for t in tasks {
+        let a = t.await.unwrap();
+        match a.status.as_u16() {
+            201 if a.replayed() => {}
+            201 => created += 1,
+            409 => a.assert_problem(409, "request-in-progress"),
+            other => panic!("{other}: {}", a.text()),
+        }
+    }
+    assert_eq!(created, 1);
+    assert_eq!((fx.payments().await, fx.keys().await), (1, 1));
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_plain_mode_claim_is_taken_over() {
+    use tower_idempotency::{ClaimOutcome, ClaimRequest, IdempotencyKey, Store};
+    let fx = Fx::new().await;
+    let key = IdempotencyKey::parse("k").unwrap();
+    let parts = Request::post("/pay").body(()).unwrap().into_parts().0;
+    let claim = ClaimRequest {
+        scope: "",
+        key: &key,
+        fingerprint: tower_idempotency::fingerprint::fingerprint(&parts, &[], b"b"),
+        lease: Duration::from_millis(300),
+        ttl: Duration::from_secs(60),
+    };
+    assert!(matches!(
+        fx.store.claim(claim).await.unwrap(),
+        ClaimOutcome::Acquired { .. }
+    ));
+    let app = fx.app();
+    app(req("POST", "/pay", Some("k"), "b"))
+        .await
+        .assert_problem(409, "request-in-progress");
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert_eq!(app(req("POST", "/pay", Some("k"), "b")).await.status, 201);
+    assert!(app(req("POST", "/pay", Some("k"), "b")).await.replayed());
+    assert_eq!(fx.payments().await, 1);
+    fx.cleanup().await;
+}
