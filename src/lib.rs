@@ -170,6 +170,8 @@ mod error;
 mod extract;
 pub mod fingerprint;
 pub mod future;
+#[cfg(feature = "postgres")]
+pub mod inbox;
 mod key;
 mod layer;
 mod mode;

@@ -12,11 +12,18 @@ use crate::key::IdempotencyKey;
 use crate::response::StoredResponse;
 
 /// The crate's migrations, applied in order by [`PostgresStore::migrate`].
-const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "create keys",
-    include_str!("../../migrations/0001_create_keys.sql"),
-)];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "create keys",
+        include_str!("../../migrations/0001_create_keys.sql"),
+    ),
+    (
+        2,
+        "create processed messages",
+        include_str!("../../migrations/0002_create_processed_messages.sql"),
+    ),
+];
 
 /// The advisory lock taken while migrating, so that app instances starting together apply
 /// each migration once. (The bytes of "towidem1".)
@@ -74,51 +81,56 @@ impl PostgresStore {
     /// [`StoreError::Backend`] when the database fails; [`StoreError::Schema`] when a
     /// migration recorded as applied differs from the one this crate ships.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(MIGRATION_LOCK)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
-            "CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
-                 version     bigint      PRIMARY KEY,
-                 description text        NOT NULL,
-                 checksum    bytea       NOT NULL,
-                 applied_at  timestamptz NOT NULL DEFAULT now()
-             )",
-        )
+        migrate(&self.pool).await
+    }
+}
+
+/// Applies the crate's migrations (the keys table and the inbox table) on `pool`.
+pub(crate) async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(MIGRATION_LOCK)
         .execute(&mut *tx)
         .await?;
-        let applied: Vec<(i64, Vec<u8>)> =
-            sqlx::query_as("SELECT version, checksum FROM tower_idempotency_migrations")
-                .fetch_all(&mut *tx)
-                .await?;
-        for &(version, description, sql) in MIGRATIONS {
-            let checksum = Sha256::digest(sql.as_bytes()).to_vec();
-            match applied.iter().find(|(v, _)| *v == version) {
-                Some((_, c)) if *c == checksum => continue,
-                Some(_) => {
-                    return Err(StoreError::Schema(format!(
-                        "migration {version} ({description}) was applied with different SQL"
-                    )));
-                }
-                None => {}
-            }
-            sqlx::raw_sql(sql).execute(&mut *tx).await?;
-            sqlx::query(
-                "INSERT INTO tower_idempotency_migrations (version, description, checksum)
-                 VALUES ($1, $2, $3)",
-            )
-            .bind(version)
-            .bind(description)
-            .bind(checksum)
-            .execute(&mut *tx)
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
+             version     bigint      PRIMARY KEY,
+             description text        NOT NULL,
+             checksum    bytea       NOT NULL,
+             applied_at  timestamptz NOT NULL DEFAULT now()
+         )",
+    )
+    .execute(&mut *tx)
+    .await?;
+    let applied: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT version, checksum FROM tower_idempotency_migrations")
+            .fetch_all(&mut *tx)
             .await?;
-            tracing::info!(version, description, "applied tower-idempotency migration");
+    for &(version, description, sql) in MIGRATIONS {
+        let checksum = Sha256::digest(sql.as_bytes()).to_vec();
+        match applied.iter().find(|(v, _)| *v == version) {
+            Some((_, c)) if *c == checksum => continue,
+            Some(_) => {
+                return Err(StoreError::Schema(format!(
+                    "migration {version} ({description}) was applied with different SQL"
+                )));
+            }
+            None => {}
         }
-        tx.commit().await?;
-        Ok(())
+        sqlx::raw_sql(sql).execute(&mut *tx).await?;
+        sqlx::query(
+            "INSERT INTO tower_idempotency_migrations (version, description, checksum)
+             VALUES ($1, $2, $3)",
+        )
+        .bind(version)
+        .bind(description)
+        .bind(checksum)
+        .execute(&mut *tx)
+        .await?;
+        tracing::info!(version, description, "applied tower-idempotency migration");
     }
+    tx.commit().await?;
+    Ok(())
 }
 
 /// Milliseconds for an interval parameter, clamped to 100 years so Postgres never sees an
