@@ -290,3 +290,50 @@ where
         body,
     }
 }
+
+/// A database of its own, for tests that run a program with a `DATABASE_URL`.
+pub struct PgDatabase {
+    pub name: String,
+    pub url: String,
+    admin: PgPool,
+}
+
+impl PgDatabase {
+    pub async fn new() -> PgDatabase {
+        let schema_for_connect_check = PgSchema::new().await;
+        let admin = schema_for_connect_check.admin.clone();
+        schema_for_connect_check.drop_schema().await;
+        let name = format!("tidb_{}", unique());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&admin)
+            .await
+            .unwrap();
+        let base = database_url();
+        let (head, _) = base.rsplit_once('/').unwrap();
+        let url = format!("{head}/{name}");
+        PgDatabase { name, url, admin }
+    }
+
+    pub async fn drop_database(self) {
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.name
+        )))
+        .execute(&self.admin)
+        .await;
+    }
+}
+
+/// The path of an example binary built by `cargo test` (examples are built with the tests).
+pub fn example_path(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    // target/<profile>/deps/<test>-<hash> -> target/<profile>/examples/<name>
+    let profile_dir = exe.parent().unwrap().parent().unwrap();
+    let path = profile_dir.join("examples").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build it with `cargo test` or `cargo build --examples`",
+        path.display()
+    );
+    path
+}
