@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Runs the whole test suite, Postgres tests included.
+# Runs the whole test suite, Postgres and RabbitMQ tests included.
 #
 # The Postgres tests use DATABASE_URL (default: postgres://postgres@127.0.0.1:5432/postgres).
 # When that default server is not running, this script starts a throwaway PostgreSQL
 # cluster of its own (installing PostgreSQL first when run as root on Debian/Ubuntu), runs
 # the tests against it and stops it. It never skips the Postgres tests: if it cannot get a
 # server, it stops and says what to do.
+#
+# The consumer test uses RabbitMQ at AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f).
+# When nothing listens there, the script starts the installed rabbitmq-server (installing it
+# first when run as root on Debian/Ubuntu), or stops and says what to do.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -85,6 +89,42 @@ to let this script start a local one."
 fi
 export DATABASE_URL="$url"
 echo "scripts/test.sh: Postgres tests use $DATABASE_URL" >&2
+
+ensure_rabbitmq() {
+    local amqp="${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}" host port
+    read -r host port < <(host_port "$amqp")
+    # host_port defaults to Postgres's port; AMQP's is 5672.
+    [[ "${amqp#*://}" =~ ^([^@/]*@)?[^:/]+:[0-9]+ ]] || port=5672
+    port_open "$host" "$port" && return 0
+    if [[ -n "${AMQP_URL:-}" ]]; then
+        die "AMQP_URL=$AMQP_URL does not answer. Start that broker, or unset AMQP_URL to let
+this script start a local RabbitMQ."
+    fi
+    if ! command -v rabbitmq-server >/dev/null && [[ ! -x /usr/sbin/rabbitmq-server ]]; then
+        if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+            echo "scripts/test.sh: RabbitMQ is not installed; installing it with apt-get" >&2
+            apt-get update -qq
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server >/dev/null
+        else
+            die "no RabbitMQ at 127.0.0.1:5672 and RabbitMQ is not installed.
+Install it (Debian/Ubuntu: sudo apt-get install rabbitmq-server; macOS: brew install rabbitmq),
+start it, and run ./scripts/test.sh again, or set AMQP_URL to a broker you own."
+        fi
+    fi
+    echo "scripts/test.sh: starting RabbitMQ" >&2
+    if [[ $EUID -eq 0 ]]; then
+        PATH="/usr/sbin:$PATH" rabbitmq-server -detached >/dev/null 2>&1 || true
+    else
+        die "RabbitMQ is installed but not running; start it (sudo systemctl start rabbitmq-server,
+or sudo rabbitmq-server -detached) and run ./scripts/test.sh again."
+    fi
+    for _ in $(seq 1 120); do
+        port_open 127.0.0.1 5672 && return 0
+        sleep 1
+    done
+    die "RabbitMQ did not start within 120 s (see /var/log/rabbitmq)"
+}
+ensure_rabbitmq
 
 cargo test --all-features --all-targets
 cargo test --all-features --doc
