@@ -657,6 +657,40 @@ async fn custom_header_names_the_key<F: Fixture>(fx: &F) {
     assert_eq!(calls.get("/hook"), 1);
 }
 
+async fn key_from_a_function<F: Fixture>(fx: &F) {
+    let calls = Calls::default();
+    let app = build(
+        layer(fx.store()).with_key_from(|parts| {
+            let event = parts.headers.get("x-github-event")?.to_str().ok()?;
+            let id = parts.headers.get("x-github-delivery")?.to_str().ok()?;
+            Some(format!("{event}:{id}"))
+        }),
+        &calls,
+    );
+    let hook = |event: &str, id: &str| {
+        let r = with_header(req("POST", "/hook", None, "{}"), "x-github-event", event);
+        with_header(r, "x-github-delivery", id)
+    };
+    assert_eq!(app(hook("push", "d-1")).await.status, 201);
+    let again = app(hook("push", "d-1")).await;
+    assert_eq!(
+        (again.status, again.replayed()),
+        (StatusCode::CREATED, true)
+    );
+    assert_eq!(app(hook("ping", "d-1")).await.status, 201, "another key");
+    app(with_header(
+        req("POST", "/hook", None, "{}"),
+        "x-github-event",
+        "push",
+    ))
+    .await
+    .assert_problem(400, "missing-key");
+    app(hook("push", "has space"))
+        .await
+        .assert_problem(400, "invalid-key");
+    assert_eq!(calls.get("/hook"), 2);
+}
+
 async fn purge_deletes_expired_records_in_batches<F: Fixture>(fx: &F) {
     let store = fx.store();
     let short = Duration::from_millis(200);
@@ -752,5 +786,6 @@ suite!(
     oversized_response_reaches_the_client_and_is_never_rerun,
     handler_sees_the_key,
     custom_header_names_the_key,
+    key_from_a_function,
     purge_deletes_expired_records_in_batches,
 );
