@@ -109,11 +109,24 @@
 //! Expired keys are deleted by [`Store::purge_expired`] in bounded batches; [`spawn_purge_task`]
 //! runs it periodically.
 //!
+//! # Choosing a mode
+//!
+//! | your handler's work | use |
+//! |---|---|
+//! | leaves the database (a payment provider, an email, another service) | **plain mode**: `IdempotencyLayer::new(store)`, and pass [`IdempotencyKey::derive`]d keys to the other side |
+//! | is writes to the same Postgres database | **transactional mode**: `IdempotencyLayer::new(pg_store.transactional())`; the handler writes through [`IdempotentTx`], and the key and the writes commit together ([`transactional`]) |
+//! | consumes a message queue | the **inbox**: [`inbox::Inbox::process`] records the message ID and runs the work in one transaction; acknowledge after it returns |
+//! | receives webhooks | either mode, keyed on the sender's delivery ID: [`with_header`](IdempotencyLayer::with_header)`("webhook-id")` (Standard Webhooks), `X-GitHub-Delivery`, or [`with_key_from`](IdempotencyLayer::with_key_from); duplicates get the stored `2xx`, so the sender stops retrying |
+//!
+//! In plain mode the key's record and the handler's writes commit separately: if the process
+//! dies between the handler's commit and the key's, the lease runs out and a retry runs the
+//! handler again. Transactional mode closes that window: a crash leaves both or neither.
+//!
 //! # Configuration
 //!
 //! | setter | default |
 //! |---|---|
-//! | [`with_header`](IdempotencyLayer::with_header) | `Idempotency-Key` |
+//! | [`with_header`](IdempotencyLayer::with_header) / [`with_key_from`](IdempotencyLayer::with_key_from) | `Idempotency-Key` |
 //! | [`with_methods`](IdempotencyLayer::with_methods) | `POST`, `PATCH` |
 //! | [`with_key_required`](IdempotencyLayer::with_key_required) | `true` |
 //! | [`with_scope`](IdempotencyLayer::with_scope) | none (one shared scope) |
