@@ -45,7 +45,6 @@
 //! a payment provider) is not rolled back; pass it a [derived key](crate::IdempotencyKey::derive)
 //! so that the other side deduplicates the retry.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -228,12 +227,12 @@ async fn rollback(tx: Option<Transaction<'static, Postgres>>) {
 // See `mode::private`: the sealed trait's method uses crate-private types by design.
 #[allow(private_interfaces)]
 impl Sealed for Transactional {
-    fn execute<S, ReqBody, ResBody>(
+    async fn execute<S, ReqBody, ResBody>(
         self,
         keyed: Keyed,
         mut inner: S,
         req: Request<ReqBody>,
-    ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>> + Send
+    ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
     where
         S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
         S::Future: Send + 'static,
@@ -243,155 +242,152 @@ impl Sealed for Transactional {
         ResBody: Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Send + 'static,
     {
-        async move {
-            let Keyed { config, key } = keyed;
-            let (mut parts, body) = req.into_parts();
-            let scope = config
-                .scope
-                .as_ref()
-                .and_then(|f| f(&parts))
-                .unwrap_or_default();
-            let mut fingerprinter = Fingerprinter::new(&parts, &config.fingerprint_headers);
-            let buffered = match read_body(body, &mut fingerprinter, config.max_request_body).await
-            {
-                Ok(b) => b,
-                Err(rejection) => {
-                    record(Outcome::Rejected);
-                    return Ok(render(&config, &rejection));
-                }
-            };
-            let fingerprint = fingerprinter.finish();
-            let unavailable = |err: StoreError, what: &'static str| {
-                record(Outcome::StoreError);
-                log_store_error(&err, what);
-                render(&config, &Rejection::StoreUnavailable)
-            };
+        let Keyed { config, key } = keyed;
+        let (mut parts, body) = req.into_parts();
+        let scope = config
+            .scope
+            .as_ref()
+            .and_then(|f| f(&parts))
+            .unwrap_or_default();
+        let mut fingerprinter = Fingerprinter::new(&parts, &config.fingerprint_headers);
+        let buffered = match read_body(body, &mut fingerprinter, config.max_request_body).await {
+            Ok(b) => b,
+            Err(rejection) => {
+                record(Outcome::Rejected);
+                return Ok(render(&config, &rejection));
+            }
+        };
+        let fingerprint = fingerprinter.finish();
+        let unavailable = |err: StoreError, what: &'static str| {
+            record(Outcome::StoreError);
+            log_store_error(&err, what);
+            render(&config, &Rejection::StoreUnavailable)
+        };
 
-            let mut tx = match self.store.pool().begin().await {
-                Ok(tx) => tx,
-                Err(e) => return Ok(unavailable(e.into(), "begin a transaction; answered 503")),
-            };
-            let claimed = sqlx::query(TX_CLAIM)
-                .bind(lock_id(&scope, key.as_str()))
-                .bind(&scope)
-                .bind(key.as_str())
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(crate::store::postgres::db_error)
-                .and_then(|row| found(&row, fingerprint.as_bytes()));
-            let answered = match claimed {
-                Ok(Found::Free) => None,
-                Ok(Found::Locked) => {
-                    record(Outcome::InFlight);
-                    let retry_after = Duration::from_secs(1);
-                    Some(render(&config, &Rejection::InFlight { retry_after }))
-                }
-                Ok(Found::InFlight(retry_after)) => {
-                    record(Outcome::InFlight);
-                    Some(render(&config, &Rejection::InFlight { retry_after }))
-                }
-                Ok(Found::Mismatch) => {
-                    record(Outcome::Mismatch);
-                    Some(render(&config, &Rejection::KeyReused))
-                }
-                Ok(Found::Completed(stored)) => {
-                    record(Outcome::Replayed);
-                    Some(replay(&config, stored))
-                }
-                Err(e) => Some(unavailable(e, "claim a key; answered 503")),
-            };
-            if let Some(answer) = answered {
-                rollback(Some(tx)).await;
-                return Ok(answer);
+        let mut tx = match self.store.pool().begin().await {
+            Ok(tx) => tx,
+            Err(e) => return Ok(unavailable(e.into(), "begin a transaction; answered 503")),
+        };
+        let claimed = sqlx::query(TX_CLAIM)
+            .bind(lock_id(&scope, key.as_str()))
+            .bind(&scope)
+            .bind(key.as_str())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(crate::store::postgres::db_error)
+            .and_then(|row| found(&row, fingerprint.as_bytes()));
+        let answered = match claimed {
+            Ok(Found::Free) => None,
+            Ok(Found::Locked) => {
+                record(Outcome::InFlight);
+                let retry_after = Duration::from_secs(1);
+                Some(render(&config, &Rejection::InFlight { retry_after }))
             }
-            record(Outcome::Executed);
-
-            // From here a drop (client gone, panic) drops the transaction: sqlx rolls it back
-            // and Postgres releases the advisory lock.
-            let handle = IdempotentTx {
-                slot: Arc::new(Mutex::new(Some(tx))),
-            };
-            parts.extensions.insert(key.clone());
-            parts.extensions.insert(handle.clone());
-            let req = Request::from_parts(
-                parts,
-                RequestBody::buffered(buffered.chunks, buffered.trailers),
-            );
-            let response = match inner.call(req).await {
-                Ok(r) => r,
-                Err(e) => {
-                    rollback(handle.take()).await;
-                    return Err(e);
-                }
-            };
-            if response.status().is_server_error() && !config.store_server_errors {
-                rollback(handle.take()).await;
-                return Ok(response.map(ResponseBody::inner));
+            Ok(Found::InFlight(retry_after)) => {
+                record(Outcome::InFlight);
+                Some(render(&config, &Rejection::InFlight { retry_after }))
             }
-            let (res_parts, body) = response.into_parts();
-            let (body, stored) = match collect(body, config.max_response_body).await {
-                Collected::Complete(bytes) => {
-                    let headers = replayable_headers(&res_parts.headers, config.keep_set_cookie);
-                    let stored = StoredResponse::new(res_parts.status, headers, bytes.clone());
-                    (ResponseBody::full(bytes), stored)
-                }
-                Collected::TooLarge(head, rest) => {
-                    let headers = replayable_headers(&res_parts.headers, config.keep_set_cookie);
-                    let stored = StoredResponse::without_body(res_parts.status, headers);
-                    (ResponseBody::prefixed(head, rest), stored)
-                }
-                Collected::Failed(head, err) => {
-                    rollback(handle.take()).await;
-                    return Ok(Response::from_parts(
-                        res_parts,
-                        ResponseBody::failed(head, err),
-                    ));
-                }
-            };
-
-            let Some(mut tx) = handle.take() else {
-                tracing::error!(
-                    "the handler kept the idempotent transaction past its answer; rolled back"
-                );
-                return Ok(render(&config, &Rejection::StoreUnavailable));
-            };
-            let status = i16::try_from(stored.status().as_u16()).unwrap_or(i16::MAX);
-            let completed = sqlx::query(TX_COMPLETE)
-                .bind(&scope)
-                .bind(key.as_str())
-                .bind(&fingerprint.as_bytes()[..])
-                .bind(millis(config.ttl))
-                .bind(status)
-                .bind(stored.encode_headers())
-                .bind(stored.body().map(|b| &b[..]))
-                .execute(&mut *tx)
-                .await;
-            match completed {
-                Ok(done) if done.rows_affected() == 1 => {}
-                Ok(_) => {
-                    // Another request with this key committed first (see TX_CLAIM).
-                    rollback(Some(tx)).await;
-                    record(Outcome::InFlight);
-                    return Ok(render(
-                        &config,
-                        &Rejection::InFlight {
-                            retry_after: Duration::from_secs(1),
-                        },
-                    ));
-                }
-                Err(e) => {
-                    rollback(Some(tx)).await;
-                    return Ok(unavailable(
-                        e.into(),
-                        "store the answer; rolled back, answered 503",
-                    ));
-                }
+            Ok(Found::Mismatch) => {
+                record(Outcome::Mismatch);
+                Some(render(&config, &Rejection::KeyReused))
             }
-            if let Err(e) = tx.commit().await {
-                return Ok(unavailable(e.into(), "commit; answered 503"));
+            Ok(Found::Completed(stored)) => {
+                record(Outcome::Replayed);
+                Some(replay(&config, stored))
             }
-            Ok(Response::from_parts(res_parts, body))
+            Err(e) => Some(unavailable(e, "claim a key; answered 503")),
+        };
+        if let Some(answer) = answered {
+            rollback(Some(tx)).await;
+            return Ok(answer);
         }
+        record(Outcome::Executed);
+
+        // From here a drop (client gone, panic) drops the transaction: sqlx rolls it back
+        // and Postgres releases the advisory lock.
+        let handle = IdempotentTx {
+            slot: Arc::new(Mutex::new(Some(tx))),
+        };
+        parts.extensions.insert(key.clone());
+        parts.extensions.insert(handle.clone());
+        let req = Request::from_parts(
+            parts,
+            RequestBody::buffered(buffered.chunks, buffered.trailers),
+        );
+        let response = match inner.call(req).await {
+            Ok(r) => r,
+            Err(e) => {
+                rollback(handle.take()).await;
+                return Err(e);
+            }
+        };
+        if response.status().is_server_error() && !config.store_server_errors {
+            rollback(handle.take()).await;
+            return Ok(response.map(ResponseBody::inner));
+        }
+        let (res_parts, body) = response.into_parts();
+        let (body, stored) = match collect(body, config.max_response_body).await {
+            Collected::Complete(bytes) => {
+                let headers = replayable_headers(&res_parts.headers, config.keep_set_cookie);
+                let stored = StoredResponse::new(res_parts.status, headers, bytes.clone());
+                (ResponseBody::full(bytes), stored)
+            }
+            Collected::TooLarge(head, rest) => {
+                let headers = replayable_headers(&res_parts.headers, config.keep_set_cookie);
+                let stored = StoredResponse::without_body(res_parts.status, headers);
+                (ResponseBody::prefixed(head, rest), stored)
+            }
+            Collected::Failed(head, err) => {
+                rollback(handle.take()).await;
+                return Ok(Response::from_parts(
+                    res_parts,
+                    ResponseBody::failed(head, err),
+                ));
+            }
+        };
+
+        let Some(mut tx) = handle.take() else {
+            tracing::error!(
+                "the handler kept the idempotent transaction past its answer; rolled back"
+            );
+            return Ok(render(&config, &Rejection::StoreUnavailable));
+        };
+        let status = i16::try_from(stored.status().as_u16()).unwrap_or(i16::MAX);
+        let completed = sqlx::query(TX_COMPLETE)
+            .bind(&scope)
+            .bind(key.as_str())
+            .bind(&fingerprint.as_bytes()[..])
+            .bind(millis(config.ttl))
+            .bind(status)
+            .bind(stored.encode_headers())
+            .bind(stored.body().map(|b| &b[..]))
+            .execute(&mut *tx)
+            .await;
+        match completed {
+            Ok(done) if done.rows_affected() == 1 => {}
+            Ok(_) => {
+                // Another request with this key committed first (see TX_CLAIM).
+                rollback(Some(tx)).await;
+                record(Outcome::InFlight);
+                return Ok(render(
+                    &config,
+                    &Rejection::InFlight {
+                        retry_after: Duration::from_secs(1),
+                    },
+                ));
+            }
+            Err(e) => {
+                rollback(Some(tx)).await;
+                return Ok(unavailable(
+                    e.into(),
+                    "store the answer; rolled back, answered 503",
+                ));
+            }
+        }
+        if let Err(e) = tx.commit().await {
+            return Ok(unavailable(e.into(), "commit; answered 503"));
+        }
+        Ok(Response::from_parts(res_parts, body))
     }
 }
 

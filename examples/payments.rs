@@ -1,0 +1,1083 @@
+//! The whole story of an idempotent payment, as one runnable axum server.
+//!
+//! A client posts a charge with an `Idempotency-Key`. The payments service runs the charge at
+//! a (fake) payment provider and records the payment. Networks fail, so the client retries;
+//! the [`IdempotencyLayer`] makes sure that a retry gets the answer of the first attempt
+//! instead of a second charge. The provider is protected by the same layer, and the payments
+//! service passes it a key *derived* from the client's (`<key>:charge`), so even a retry that
+//! gets past the payments layer (after a crash, say) never charges twice.
+//!
+//! ```text
+//! client ──POST /payments──▶ [auth] ▶ [idempotency] ▶ create_payment ──┐
+//!         Idempotency-Key: k                                           │ in process, with
+//!                                                                      │ Idempotency-Key: k:charge
+//!          POST /provider/charges ──▶ [auth] ▶ [idempotency] ▶ charge ◀┘
+//!
+//! provider ──POST /webhooks/provider──▶ [idempotency on webhook-id] ▶ receive_webhook
+//! ```
+//!
+//! # Run it
+//!
+//! ```text
+//! cargo run --release --example payments
+//! DATABASE_URL=postgres://postgres@127.0.0.1/postgres cargo run --release --example payments
+//! ```
+//!
+//! Then, from another terminal:
+//!
+//! ```text
+//! curl -i localhost:3000/payments -H 'Idempotency-Key: 4f1c' -H 'Authorization: Bearer acme' \
+//!      -d '{"order_id": 1, "amount_cents": 1999}'
+//! # run it again: the same answer, with `Idempotent-Replayed: true`, and no second charge
+//! curl localhost:3000/provider/charges              # {"count":1}
+//! curl localhost:3000/orders/1 -H 'Authorization: Bearer acme'
+//! ```
+//!
+//! # Configuration (environment)
+//!
+//! | variable | default | meaning |
+//! |---|---|---|
+//! | `BIND` | `127.0.0.1:3000` | address to listen on (port `0`: any free port) |
+//! | `DATABASE_URL` | unset | unset: everything in memory. Set: keys in [`PostgresStore`], data in `example_*` tables |
+//! | `IDEMPOTENCY_TTL_SECS` | `86400` | how long a key is remembered ([`IdempotencyLayer::with_ttl`]) |
+//! | `IDEMPOTENCY_LEASE_MS` | `30000` | how long a claim holds a key ([`IdempotencyLayer::with_lease`]) |
+//! | `CHARGE_DELAY_MS` | `0` | how long the provider takes for each new charge |
+//! | `MAX_BODY_BYTES` | `1048576` | larger request bodies are answered `413` |
+//! | `IDEMPOTENCY` | `on` | `off`: the same routes without the layer (a baseline for benchmarks) |
+//!
+//! The server prints one line, `listening on http://ADDR`, once it accepts connections, and
+//! stops cleanly on `SIGTERM` or `SIGINT`.
+//!
+//! # Routes
+//!
+//! | route | what it does |
+//! |---|---|
+//! | `POST /payments` | `{"order_id", "amount_cents"}`: charge at the provider, record the payment, `201` |
+//! | `PATCH /orders/{order_id}` | `{"shipping_address"}`: set the order's shipping address, `200` |
+//! | `GET /orders/{order_id}` | the order: total charged, number of payments, shipping address |
+//! | `POST /provider/charges` | the fake provider: `{"amount_cents"}`, `201` with a `charge_id` |
+//! | `GET /provider/charges` | how many charges the provider really made |
+//! | `POST /webhooks/provider` | a webhook receiver, deduplicated on its `webhook-id` header |
+//! | `GET /webhooks/provider` | how many distinct webhook events were applied |
+//!
+//! Authentication is a toy: `Authorization: Bearer <tenant>` names the tenant; without the
+//! header the request belongs to the anonymous tenant. Keys are scoped per tenant, so tenants
+//! never see (or block) each other's keys.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{IsTerminal as _, Write as _};
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, FromRequest as _, Path, Request, State};
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, WWW_AUTHENTICATE};
+use axum::http::request::Parts;
+use axum::http::{HeaderName, HeaderValue, StatusCode};
+use axum::middleware::{Next, from_fn};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{patch, post};
+use axum::{Extension, Json, Router};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tower::ServiceExt as _;
+use tower_idempotency::{
+    IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, MemoryStore, PostgresStore, Store,
+    spawn_purge_task,
+};
+use tracing_subscriber::EnvFilter;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+// ---------------------------------------------------------------------------------------------
+// Configuration
+// ---------------------------------------------------------------------------------------------
+
+/// The settings read from the environment (see the table at the top of this file).
+#[derive(Debug, Clone)]
+struct Config {
+    bind: String,
+    database_url: Option<String>,
+    ttl: Duration,
+    lease: Duration,
+    charge_delay: Duration,
+    max_body_bytes: usize,
+    /// `false` (`IDEMPOTENCY=off`): the same routes and handlers, without the layer.
+    idempotency: bool,
+}
+
+impl Config {
+    /// Reads the configuration; the error names the variable and what it should hold.
+    fn from_env() -> Result<Self, String> {
+        let idempotency = match var("IDEMPOTENCY")?.as_deref() {
+            None | Some("on") => true,
+            Some("off") => false,
+            Some(other) => {
+                return Err(format!(
+                    "invalid IDEMPOTENCY={other:?}: expected \"on\" or \"off\""
+                ));
+            }
+        };
+        Ok(Self {
+            bind: var("BIND")?.unwrap_or_else(|| "127.0.0.1:3000".to_owned()),
+            // An empty DATABASE_URL counts as unset, as it does for most tools.
+            database_url: var("DATABASE_URL")?.filter(|url| !url.is_empty()),
+            ttl: Duration::from_secs(positive("IDEMPOTENCY_TTL_SECS", 86_400)?),
+            lease: Duration::from_millis(positive("IDEMPOTENCY_LEASE_MS", 30_000)?),
+            charge_delay: Duration::from_millis(number("CHARGE_DELAY_MS", 0)?),
+            max_body_bytes: number("MAX_BODY_BYTES", 1024 * 1024)?,
+            idempotency,
+        })
+    }
+}
+
+/// An environment variable: `None` when unset, an error when it is not Unicode.
+fn var(name: &str) -> Result<Option<String>, String> {
+    match std::env::var(name) {
+        Ok(value) => Ok(Some(value)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("{name} is not valid Unicode")),
+    }
+}
+
+/// A whole, non-negative number from the environment, or `default` when unset.
+fn number<T: FromStr>(name: &str, default: T) -> Result<T, String> {
+    match var(name)? {
+        None => Ok(default),
+        Some(value) => value
+            .trim()
+            .parse()
+            .map_err(|_| format!("invalid {name}={value:?}: expected a whole number, at least 0")),
+    }
+}
+
+/// Like [`number`], but 0 is refused too: a zero TTL or lease would make the layer useless.
+fn positive(name: &str, default: u64) -> Result<u64, String> {
+    match number(name, default)? {
+        0 => Err(format!(
+            "invalid {name}=0: expected a whole number, at least 1"
+        )),
+        n => Ok(n),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// main
+// ---------------------------------------------------------------------------------------------
+
+fn main() -> ExitCode {
+    // Logs go to stderr: stdout carries only the `listening on` line.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn")),
+        )
+        .init();
+
+    let config = match Config::from_env() {
+        Ok(config) => config,
+        Err(message) => {
+            eprintln!("payments: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("payments: cannot start the Tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("payments: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// How often expired keys are deleted, and how many per statement.
+const PURGE_EVERY: Duration = Duration::from_secs(60);
+const PURGE_BATCH: usize = 1000;
+
+/// Connects the storage, serves until `SIGTERM` or `SIGINT`, then closes the storage.
+async fn serve(config: Config) -> Result<(), BoxError> {
+    // Listen for the signals before announcing the address, so that a signal sent right
+    // after the announcement already means "shut down" and not "die".
+    let shutdown = shutdown_signal()?;
+
+    let db = match &config.database_url {
+        None => Db::memory(),
+        Some(url) => Db::postgres(url).await?,
+    };
+
+    // The idempotency keys live next to the data: in Postgres, where every instance of the
+    // service sees them, or in memory. (With `IDEMPOTENCY=off` the store is never used.)
+    // Expired keys are never replayed, but they take space until deleted: purge them.
+    let (router, purge) = match &db {
+        Db::Postgres(pool) if config.idempotency => {
+            let store = PostgresStore::new(pool.clone());
+            store
+                .migrate()
+                .await
+                .map_err(|e| format!("cannot create the idempotency tables: {e}"))?;
+            let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH);
+            (app(&config, db.clone(), store), purge)
+        }
+        _ => {
+            let store = MemoryStore::new();
+            let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH);
+            (app(&config, db.clone(), store), purge)
+        }
+    };
+
+    let listener = tokio::net::TcpListener::bind(&config.bind)
+        .await
+        .map_err(|e| format!("cannot listen on BIND={:?}: {e}", config.bind))?;
+    let addr = listener.local_addr()?;
+    {
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "listening on http://{addr}")?;
+        stdout.flush()?;
+    }
+    tracing::info!(
+        %addr,
+        idempotency = config.idempotency,
+        postgres = config.database_url.is_some(),
+        "payments example started"
+    );
+
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await?;
+
+    purge.abort();
+    db.close().await;
+    tracing::info!("payments example stopped");
+    Ok(())
+}
+
+/// A future that completes on `SIGTERM` or `SIGINT` (Ctrl-C). The handlers are installed
+/// now, not when the future is first polled.
+#[cfg(unix)]
+fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = terminate.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = interrupt.recv() => tracing::info!("SIGINT: shutting down"),
+        }
+    })
+}
+
+/// A future that completes on Ctrl-C.
+#[cfg(not(unix))]
+fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
+    Ok(async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The router
+// ---------------------------------------------------------------------------------------------
+
+/// What the payments handlers share.
+#[derive(Clone)]
+struct AppState {
+    db: Db,
+    /// The provider's router, layers included. The payments handler calls it in process,
+    /// exactly as a client calls it over HTTP under `/provider/charges`.
+    provider: Router,
+}
+
+/// What the provider's handlers share.
+#[derive(Clone)]
+struct ProviderState {
+    db: Db,
+    charge_delay: Duration,
+}
+
+/// The whole server: payments and orders, the fake provider, and the webhook receiver, each
+/// behind its own idempotency layer (unless `IDEMPOTENCY=off`).
+///
+/// The three layers share one store (in Postgres, one table). Each gives its scopes its own
+/// prefix, so that a key of one service can never collide with a key of another.
+fn app<St: Store>(config: &Config, db: Db, store: St) -> Router {
+    // The settings from the environment, common to the three layers.
+    let layer = || {
+        config.idempotency.then(|| {
+            IdempotencyLayer::new(store.clone())
+                .with_ttl(config.ttl)
+                .with_lease(config.lease)
+                .with_max_request_body(config.max_body_bytes)
+        })
+    };
+
+    // The payment provider. Like Stripe with connected accounts, it scopes keys per tenant
+    // (the account the call is made for), so two tenants' `k:charge` are different charges.
+    let provider = protect(
+        Router::new().route(
+            "/provider/charges",
+            post(provider_charge).get(provider_charge_count),
+        ),
+        layer().map(|l| l.with_scope(|parts| Some(format!("provider:{}", tenant_of(parts))))),
+    )
+    // `route_layer`s wrap the ones added before them: authentication runs first, so the
+    // scope function sees the authenticated tenant.
+    .route_layer(from_fn(authenticate))
+    .with_state(ProviderState {
+        db: db.clone(),
+        charge_delay: config.charge_delay,
+    });
+
+    // The payments service. GET requests pass through the layer untouched.
+    let payments = protect(
+        Router::new()
+            .route("/payments", post(create_payment))
+            .route("/orders/{order_id}", patch(update_order).get(get_order)),
+        layer().map(|l| {
+            l.with_scope(|parts| match tenant_of(parts) {
+                "" => None, // the anonymous tenant: the shared scope
+                tenant => Some(format!("tenant:{tenant}")),
+            })
+        }),
+    )
+    .route_layer(from_fn(authenticate))
+    .with_state(AppState {
+        db: db.clone(),
+        provider: provider.clone(),
+    });
+
+    // The webhook receiver. The provider names each event in a `webhook-id` header
+    // (Standard Webhooks) and redelivers until it gets a 2xx; the layer turns redeliveries
+    // into replays. A real receiver verifies the webhook's signature before this layer.
+    let webhooks = protect(
+        Router::new().route(
+            "/webhooks/provider",
+            post(receive_webhook).get(webhooks_processed),
+        ),
+        layer().map(|l| {
+            l.with_header(HeaderName::from_static("webhook-id"))
+                .with_scope(|_| Some("webhooks:provider".to_owned()))
+        }),
+    )
+    .with_state(db);
+
+    Router::new()
+        .merge(payments)
+        .merge(provider)
+        .merge(webhooks)
+        // Bounds what axum's extractors read, so `IDEMPOTENCY=off` answers 413 alike.
+        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+}
+
+/// Puts `layer` (if any) around the routes of `router`. `route_layer`, not `layer`: unknown
+/// paths stay `404` instead of going through the layer (which would demand a key).
+fn protect<S, St>(router: Router<S>, layer: Option<IdempotencyLayer<St>>) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    St: Store,
+{
+    match layer {
+        Some(layer) => router.route_layer(layer),
+        None => router,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Authentication (a toy)
+// ---------------------------------------------------------------------------------------------
+
+/// The authenticated tenant; `""` is the anonymous tenant.
+#[derive(Clone, Debug)]
+struct Tenant(Arc<str>);
+
+/// `Authorization: Bearer <tenant>` names the tenant; no header, the anonymous tenant. Any
+/// other `Authorization` is refused with `401`, before the idempotency layer sees the request.
+async fn authenticate(mut request: Request, next: Next) -> Response {
+    let tenant = match request.headers().get(AUTHORIZATION) {
+        None => String::new(),
+        Some(value) => match bearer_token(value) {
+            Some(token) => token.to_owned(),
+            None => {
+                let mut response = ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "expected `Authorization: Bearer <tenant>`",
+                )
+                .into_response();
+                response
+                    .headers_mut()
+                    .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                return response;
+            }
+        },
+    };
+    request.extensions_mut().insert(Tenant(tenant.into()));
+    next.run(request).await
+}
+
+/// The token of `Bearer <token>` (the scheme is case-insensitive).
+fn bearer_token(value: &HeaderValue) -> Option<&str> {
+    let (scheme, token) = value.to_str().ok()?.split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
+/// The tenant that [`authenticate`] found, for the layers' scope functions.
+fn tenant_of(parts: &Parts) -> &str {
+    // `authenticate` runs before every layer that asks, so the tenant is always there.
+    parts.extensions.get::<Tenant>().map_or("", |t| &t.0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Payments and orders
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+struct NewPayment {
+    order_id: i64,
+    amount_cents: i64,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug)]
+struct Payment {
+    payment_id: String,
+    order_id: i64,
+    amount_cents: i64,
+    charge_id: String,
+}
+
+#[derive(Deserialize)]
+struct OrderUpdate {
+    shipping_address: String,
+}
+
+#[derive(Serialize, Debug)]
+struct Order {
+    order_id: i64,
+    /// The sum charged for the order.
+    total_cents: i64,
+    /// The number of payments.
+    payments: i64,
+    shipping_address: Option<String>,
+}
+
+/// `POST /payments`: charge at the provider, then record the payment.
+///
+/// The layer runs this once per (tenant, key) and replays its answer to retries. The two
+/// steps are safe to repeat on their own too, which matters when the process dies between
+/// them (the layer's lease then runs out and a retry runs this again):
+///
+/// 1. the provider gets a key derived from the client's, so it answers a repeated charge
+///    with the charge it already made;
+/// 2. recording is unique per (tenant, key, charge), so it finds the row it wrote before.
+async fn create_payment(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    key: Option<Extension<IdempotencyKey>>,
+    request: Request,
+) -> Result<(StatusCode, Json<Payment>), ApiError> {
+    let authorization = request.headers().get(AUTHORIZATION).cloned();
+    let new: NewPayment = read_json(request).await?;
+    if new.amount_cents <= 0 {
+        return Err(ApiError::bad_request(
+            "amount_cents must be a positive number of cents",
+        ));
+    }
+    // With the layer, every request here has a key. Without it (`IDEMPOTENCY=off`), a
+    // payment has none and is simply new each time.
+    let key = key.map(|Extension(key)| key);
+
+    // `<key>:charge`; always a valid key, even when the client's is 255 characters long.
+    let charge_key = match &key {
+        Some(key) => Some(
+            key.derive("charge")
+                .map_err(|e| ApiError::internal(format!("cannot derive a key: {e}")))?,
+        ),
+        None => None,
+    };
+    let charge =
+        charge_at_provider(&state.provider, authorization, charge_key, new.amount_cents).await?;
+
+    let payment = state
+        .db
+        .record_payment(
+            &tenant.0,
+            key.as_ref().map(IdempotencyKey::as_str),
+            new.order_id,
+            new.amount_cents,
+            &charge.charge_id,
+        )
+        .await?;
+    Ok((StatusCode::CREATED, Json(payment)))
+}
+
+/// Calls the provider's router in process, as `POST /provider/charges`, on behalf of the same
+/// tenant (the same `Authorization`) and with the derived key.
+async fn charge_at_provider(
+    provider: &Router,
+    authorization: Option<HeaderValue>,
+    key: Option<IdempotencyKey>,
+    amount_cents: i64,
+) -> Result<Charge, ApiError> {
+    let body = serde_json::to_vec(&NewCharge { amount_cents })
+        .map_err(|e| ApiError::internal(format!("cannot encode the charge: {e}")))?;
+    let mut request =
+        axum::http::Request::post("/provider/charges").header(CONTENT_TYPE, "application/json");
+    if let Some(authorization) = authorization {
+        request = request.header(AUTHORIZATION, authorization);
+    }
+    if let Some(key) = key {
+        request = request.header(IDEMPOTENCY_KEY, HeaderValue::from(key));
+    }
+    let request = request
+        .body(Body::from(body))
+        .map_err(|e| ApiError::internal(format!("cannot build the provider request: {e}")))?;
+
+    // A router never fails: its error type is `Infallible`.
+    let Ok(response) = provider.clone().oneshot(request).await;
+    let status = response.status();
+    let body = axum::body::to_bytes(response.into_body(), 64 * 1024)
+        .await
+        .map_err(|e| ApiError::bad_gateway(format!("cannot read the provider's answer: {e}")))?;
+    // A 5xx of ours releases the client's key, so the client may retry; the provider
+    // deduplicates that retry by the derived key.
+    if !status.is_success() {
+        tracing::warn!(%status, body = %String::from_utf8_lossy(&body), "the provider refused a charge");
+        return Err(ApiError::bad_gateway(format!(
+            "the payment provider answered {status}"
+        )));
+    }
+    serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_gateway(format!("unexpected answer from the provider: {e}")))
+}
+
+/// `PATCH /orders/{order_id}`: sets the shipping address, creating the order if needed.
+async fn update_order(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(order_id): Path<i64>,
+    request: Request,
+) -> Result<Json<Order>, ApiError> {
+    let update: OrderUpdate = read_json(request).await?;
+    let order = state
+        .db
+        .set_shipping_address(&tenant.0, order_id, &update.shipping_address)
+        .await?;
+    Ok(Json(order))
+}
+
+/// `GET /orders/{order_id}`: an order never seen is empty, not missing.
+async fn get_order(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(order_id): Path<i64>,
+) -> Result<Json<Order>, ApiError> {
+    Ok(Json(state.db.order(&tenant.0, order_id).await?))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fake payment provider
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Serialize, Deserialize)]
+struct NewCharge {
+    amount_cents: i64,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct Charge {
+    charge_id: String,
+    amount_cents: i64,
+}
+
+/// `POST /provider/charges`: makes a charge. Slow on purpose with `CHARGE_DELAY_MS`, to show
+/// what a retry sees while the first attempt still runs (`409` and `Retry-After`).
+async fn provider_charge(
+    State(provider): State<ProviderState>,
+    Extension(tenant): Extension<Tenant>,
+    request: Request,
+) -> Result<(StatusCode, Json<Charge>), ApiError> {
+    let new: NewCharge = read_json(request).await?;
+    if new.amount_cents <= 0 {
+        return Err(ApiError::bad_request(
+            "amount_cents must be a positive number of cents",
+        ));
+    }
+    if !provider.charge_delay.is_zero() {
+        tokio::time::sleep(provider.charge_delay).await;
+    }
+    let charge = provider
+        .db
+        .create_charge(&tenant.0, new.amount_cents)
+        .await?;
+    Ok((StatusCode::CREATED, Json(charge)))
+}
+
+/// `GET /provider/charges`: the number of charges made, all tenants together.
+async fn provider_charge_count(
+    State(provider): State<ProviderState>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let count = provider.db.charge_count().await?;
+    Ok(Json(serde_json::json!({ "count": count })))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The webhook receiver
+// ---------------------------------------------------------------------------------------------
+
+/// `POST /webhooks/provider`: applies an event (any JSON) once per `webhook-id`.
+///
+/// Recording is unique per event id as well: an event id names one event forever, so even a
+/// redelivery after the layer forgot the key (after the TTL) is not applied twice.
+async fn receive_webhook(
+    State(db): State<Db>,
+    event_id: Option<Extension<IdempotencyKey>>,
+    request: Request,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let event: serde_json::Value = read_json(request).await?;
+    let event_id = event_id.map(|Extension(id)| id);
+    db.record_webhook(
+        event_id.as_ref().map(IdempotencyKey::as_str),
+        &event.to_string(),
+    )
+    .await?;
+    Ok(Json(serde_json::json!({ "received": true })))
+}
+
+/// `GET /webhooks/provider`: the number of distinct events applied.
+async fn webhooks_processed(State(db): State<Db>) -> Result<Json<serde_json::Value>, ApiError> {
+    let processed = db.webhooks_processed().await?;
+    Ok(Json(serde_json::json!({ "processed": processed })))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request bodies and errors
+// ---------------------------------------------------------------------------------------------
+
+/// Reads the body as JSON, whatever its `Content-Type` says (`curl -d` sends a form type).
+/// Honours `DefaultBodyLimit`.
+async fn read_json<T: DeserializeOwned>(request: Request) -> Result<T, ApiError> {
+    let body = Bytes::from_request(request, &())
+        .await
+        .map_err(|rejection| ApiError::new(rejection.status(), rejection.body_text()))?;
+    serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+}
+
+/// An error answer of the example's own: an RFC 9457 `application/problem+json` document,
+/// like the layer's.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    detail: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, detail: impl Into<String>) -> Self {
+        Self {
+            status,
+            detail: detail.into(),
+        }
+    }
+
+    fn bad_request(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, detail)
+    }
+
+    fn bad_gateway(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_GATEWAY, detail)
+    }
+
+    fn internal(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, detail)
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    /// Database errors are logged, not shown. A `500` releases the idempotency key, so the
+    /// client may retry.
+    fn from(error: sqlx::Error) -> Self {
+        tracing::error!(error = &error as &dyn std::error::Error, "database error");
+        Self::internal("the database failed; retry later")
+    }
+}
+
+/// The members of a problem document, in the order RFC 9457 lists them.
+#[derive(Serialize)]
+struct Problem<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    title: &'a str,
+    status: u16,
+    detail: &'a str,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let problem = Problem {
+            kind: "about:blank",
+            title: self.status.canonical_reason().unwrap_or("Error"),
+            status: self.status.as_u16(),
+            detail: &self.detail,
+        };
+        let content_type = HeaderValue::from_static("application/problem+json");
+        match serde_json::to_string(&problem) {
+            Ok(body) => (self.status, [(CONTENT_TYPE, content_type)], body).into_response(),
+            // Serialising strings and a number cannot fail; answer the bare status if it did.
+            Err(_) => self.status.into_response(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Storage of the example's own data
+// ---------------------------------------------------------------------------------------------
+
+/// Where the example keeps payments, orders, provider charges and webhook events.
+#[derive(Clone)]
+enum Db {
+    /// `DATABASE_URL` unset: in this process, gone when it exits.
+    Memory(Arc<Mutex<MemoryDb>>),
+    /// `DATABASE_URL` set: in the `example_*` tables, which survive a restart.
+    Postgres(PgPool),
+}
+
+/// The in-memory twin of the Postgres tables.
+#[derive(Default)]
+struct MemoryDb {
+    /// Charges the provider made (the last `ch_<n>`).
+    charges: i64,
+    /// Payments recorded (the last `pay_<n>`).
+    payments: i64,
+    /// Payments made with a key, by (tenant, key, charge id): the twin of the UNIQUE constraint.
+    payments_by_key: HashMap<(String, String, String), Payment>,
+    /// Orders by (tenant, order id).
+    orders: HashMap<(String, i64), MemoryOrder>,
+    /// Webhook event ids applied.
+    webhook_ids: HashSet<String>,
+    /// Webhooks applied without an id (`IDEMPOTENCY=off`).
+    webhooks_without_id: i64,
+}
+
+#[derive(Default)]
+struct MemoryOrder {
+    total_cents: i64,
+    payments: i64,
+    shipping_address: Option<String>,
+}
+
+/// The example's tables. `IF NOT EXISTS`: created at the first start, kept afterwards.
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS example_provider_charges (
+    id           bigserial   PRIMARY KEY,
+    tenant       text        NOT NULL,
+    amount_cents bigint      NOT NULL,
+    created_at   timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE IF NOT EXISTS example_payments (
+    id              bigserial   PRIMARY KEY,
+    tenant          text        NOT NULL,
+    -- NULL without the layer (IDEMPOTENCY=off); NULLs never conflict.
+    idempotency_key text,
+    order_id        bigint      NOT NULL,
+    amount_cents    bigint      NOT NULL,
+    charge_id       text        NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    -- Recording a payment twice (a retry after a crash) finds the first row.
+    UNIQUE (tenant, idempotency_key, charge_id)
+);
+
+CREATE INDEX IF NOT EXISTS example_payments_order ON example_payments (tenant, order_id);
+
+CREATE TABLE IF NOT EXISTS example_orders (
+    tenant           text        NOT NULL,
+    order_id         bigint      NOT NULL,
+    shipping_address text,
+    updated_at       timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant, order_id)
+);
+
+CREATE TABLE IF NOT EXISTS example_webhook_events (
+    id          bigserial   PRIMARY KEY,
+    -- The webhook-id; NULL without the layer (IDEMPOTENCY=off).
+    event_id    text        UNIQUE,
+    payload     jsonb       NOT NULL,
+    received_at timestamptz NOT NULL DEFAULT now()
+);
+";
+
+/// Serialises the `CREATE TABLE`s of instances that start together. (The bytes of "expaymnt".)
+const SCHEMA_LOCK: i64 = 0x6578_7061_796d_6e74;
+
+impl Db {
+    fn memory() -> Self {
+        Self::Memory(Arc::default())
+    }
+
+    /// Connects to Postgres and creates the example's tables.
+    async fn postgres(url: &str) -> Result<Self, BoxError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(url)
+            .await
+            .map_err(|e| format!("cannot connect to DATABASE_URL: {e}"))?;
+        let mut tx = pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(SCHEMA_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::raw_sql(SCHEMA)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| format!("cannot create the example's tables: {e}"))?;
+        tx.commit().await?;
+        Ok(Self::Postgres(pool))
+    }
+
+    async fn close(&self) {
+        if let Self::Postgres(pool) = self {
+            pool.close().await;
+        }
+    }
+
+    /// Runs `f` on the in-memory data. Never held across an `.await`.
+    fn with_memory<T>(memory: &Mutex<MemoryDb>, f: impl FnOnce(&mut MemoryDb) -> T) -> T {
+        // A panic while holding the lock cannot leave the data half-updated in a way that
+        // matters for a demo; keep serving.
+        let mut guard = memory.lock().unwrap_or_else(PoisonError::into_inner);
+        f(&mut guard)
+    }
+
+    /// The provider makes a charge.
+    async fn create_charge(&self, tenant: &str, amount_cents: i64) -> Result<Charge, sqlx::Error> {
+        let id: i64 = match self {
+            Self::Memory(memory) => Self::with_memory(memory, |m| {
+                m.charges += 1;
+                m.charges
+            }),
+            Self::Postgres(pool) => {
+                sqlx::query_scalar(
+                    "INSERT INTO example_provider_charges (tenant, amount_cents)
+                     VALUES ($1, $2) RETURNING id",
+                )
+                .bind(tenant)
+                .bind(amount_cents)
+                .fetch_one(pool)
+                .await?
+            }
+        };
+        Ok(Charge {
+            charge_id: format!("ch_{id}"),
+            amount_cents,
+        })
+    }
+
+    /// The number of charges the provider made.
+    async fn charge_count(&self) -> Result<i64, sqlx::Error> {
+        match self {
+            Self::Memory(memory) => Ok(Self::with_memory(memory, |m| m.charges)),
+            Self::Postgres(pool) => {
+                sqlx::query_scalar("SELECT count(*) FROM example_provider_charges")
+                    .fetch_one(pool)
+                    .await
+            }
+        }
+    }
+
+    /// Records a payment, or returns the one recorded before for the same tenant, key and
+    /// charge (`key` is `None` without the layer: then every payment is new).
+    async fn record_payment(
+        &self,
+        tenant: &str,
+        key: Option<&str>,
+        order_id: i64,
+        amount_cents: i64,
+        charge_id: &str,
+    ) -> Result<Payment, sqlx::Error> {
+        match self {
+            Self::Memory(memory) => Ok(Self::with_memory(memory, |m| {
+                let unique = key.map(|k| (tenant.to_owned(), k.to_owned(), charge_id.to_owned()));
+                if let Some(existing) = unique.as_ref().and_then(|u| m.payments_by_key.get(u)) {
+                    return existing.clone();
+                }
+                m.payments += 1;
+                let payment = Payment {
+                    payment_id: format!("pay_{}", m.payments),
+                    order_id,
+                    amount_cents,
+                    charge_id: charge_id.to_owned(),
+                };
+                let order = m.orders.entry((tenant.to_owned(), order_id)).or_default();
+                order.total_cents = order.total_cents.saturating_add(amount_cents);
+                order.payments += 1;
+                if let Some(unique) = unique {
+                    m.payments_by_key.insert(unique, payment.clone());
+                }
+                payment
+            })),
+            Self::Postgres(pool) => {
+                type Row = (i64, i64, i64, String);
+                let inserted: Option<Row> = sqlx::query_as(
+                    "INSERT INTO example_payments
+                         (tenant, idempotency_key, order_id, amount_cents, charge_id)
+                     VALUES ($1, $2, $3, $4, $5)
+                     ON CONFLICT (tenant, idempotency_key, charge_id) DO NOTHING
+                     RETURNING id, order_id, amount_cents, charge_id",
+                )
+                .bind(tenant)
+                .bind(key)
+                .bind(order_id)
+                .bind(amount_cents)
+                .bind(charge_id)
+                .fetch_optional(pool)
+                .await?;
+                let (id, order_id, amount_cents, charge_id) = match inserted {
+                    Some(row) => row,
+                    // Recorded before: a retry after a crash. Answer with that payment.
+                    None => {
+                        sqlx::query_as(
+                            "SELECT id, order_id, amount_cents, charge_id FROM example_payments
+                             WHERE tenant = $1 AND idempotency_key = $2 AND charge_id = $3",
+                        )
+                        .bind(tenant)
+                        .bind(key)
+                        .bind(charge_id)
+                        .fetch_one(pool)
+                        .await?
+                    }
+                };
+                Ok(Payment {
+                    payment_id: format!("pay_{id}"),
+                    order_id,
+                    amount_cents,
+                    charge_id,
+                })
+            }
+        }
+    }
+
+    /// An order of a tenant; empty when never seen.
+    async fn order(&self, tenant: &str, order_id: i64) -> Result<Order, sqlx::Error> {
+        match self {
+            Self::Memory(memory) => Ok(Self::with_memory(memory, |m| {
+                let order = m.orders.get(&(tenant.to_owned(), order_id));
+                Order {
+                    order_id,
+                    total_cents: order.map_or(0, |o| o.total_cents),
+                    payments: order.map_or(0, |o| o.payments),
+                    shipping_address: order.and_then(|o| o.shipping_address.clone()),
+                }
+            })),
+            Self::Postgres(pool) => {
+                let (total_cents, payments, shipping_address): (i64, i64, Option<String>) =
+                    sqlx::query_as(
+                        "SELECT COALESCE(SUM(p.amount_cents), 0)::bigint,
+                                COUNT(p.id),
+                                (SELECT o.shipping_address FROM example_orders o
+                                  WHERE o.tenant = $1 AND o.order_id = $2)
+                           FROM example_payments p
+                          WHERE p.tenant = $1 AND p.order_id = $2",
+                    )
+                    .bind(tenant)
+                    .bind(order_id)
+                    .fetch_one(pool)
+                    .await?;
+                Ok(Order {
+                    order_id,
+                    total_cents,
+                    payments,
+                    shipping_address,
+                })
+            }
+        }
+    }
+
+    /// Sets an order's shipping address, creating the order if needed.
+    async fn set_shipping_address(
+        &self,
+        tenant: &str,
+        order_id: i64,
+        address: &str,
+    ) -> Result<Order, sqlx::Error> {
+        match self {
+            Self::Memory(memory) => Self::with_memory(memory, |m| {
+                let order = m.orders.entry((tenant.to_owned(), order_id)).or_default();
+                order.shipping_address = Some(address.to_owned());
+            }),
+            Self::Postgres(pool) => {
+                sqlx::query(
+                    "INSERT INTO example_orders (tenant, order_id, shipping_address)
+                     VALUES ($1, $2, $3)
+                     ON CONFLICT (tenant, order_id)
+                     DO UPDATE SET shipping_address = EXCLUDED.shipping_address,
+                                   updated_at = now()",
+                )
+                .bind(tenant)
+                .bind(order_id)
+                .bind(address)
+                .execute(pool)
+                .await?;
+            }
+        }
+        self.order(tenant, order_id).await
+    }
+
+    /// Applies a webhook event once per event id (`None`: always).
+    async fn record_webhook(
+        &self,
+        event_id: Option<&str>,
+        payload: &str,
+    ) -> Result<(), sqlx::Error> {
+        match self {
+            Self::Memory(memory) => Self::with_memory(memory, |m| match event_id {
+                Some(id) => {
+                    m.webhook_ids.insert(id.to_owned());
+                }
+                None => m.webhooks_without_id += 1,
+            }),
+            Self::Postgres(pool) => {
+                sqlx::query(
+                    "INSERT INTO example_webhook_events (event_id, payload)
+                     VALUES ($1, $2::jsonb)
+                     ON CONFLICT (event_id) DO NOTHING",
+                )
+                .bind(event_id)
+                .bind(payload)
+                .execute(pool)
+                .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The number of webhook events applied.
+    async fn webhooks_processed(&self) -> Result<i64, sqlx::Error> {
+        match self {
+            Self::Memory(memory) => Ok(Self::with_memory(memory, |m| {
+                // A count of events held in memory always fits an i64.
+                i64::try_from(m.webhook_ids.len())
+                    .unwrap_or(i64::MAX)
+                    .saturating_add(m.webhooks_without_id)
+            })),
+            Self::Postgres(pool) => {
+                sqlx::query_scalar("SELECT count(*) FROM example_webhook_events")
+                    .fetch_one(pool)
+                    .await
+            }
+        }
+    }
+}

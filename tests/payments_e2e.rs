@@ -1,0 +1,1280 @@
+//! End-to-end tests of `examples/payments.rs`: each test starts the example as its own process
+//! (with the environment it needs), talks to it over real HTTP, and stops it.
+//!
+//! The example binary is built by `cargo test` along with the other examples; the tests also
+//! run `cargo build --example payments` once, so that `cargo test --test payments_e2e` never
+//! tests a stale binary (a no-op when it is up to date).
+//!
+//! `postgres_keeps_keys_and_data_across_a_crash` needs a Postgres server: `DATABASE_URL`, or
+//! `postgres://postgres@127.0.0.1:5432/postgres`. It creates (and drops) a fresh database.
+#![cfg(feature = "postgres")]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead as _, BufReader, Read as _};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::Bytes;
+use hyper::header::{CONTENT_TYPE, HeaderMap, RETRY_AFTER};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+
+/// How long the example may take to print its address (a cold machine, a busy CI runner).
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long one request may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the example may take to exit after a signal, or after a configuration error.
+const EXIT_TIMEOUT: Duration = Duration::from_secs(60);
+
+const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+/// Every variable the example reads; removed from its environment unless a test sets it, so
+/// that the developer's own `DATABASE_URL` (say) never changes what a test runs against.
+const EXAMPLE_VARS: &[&str] = &[
+    "BIND",
+    "DATABASE_URL",
+    "IDEMPOTENCY_TTL_SECS",
+    "IDEMPOTENCY_LEASE_MS",
+    "CHARGE_DELAY_MS",
+    "MAX_BODY_BYTES",
+    "IDEMPOTENCY",
+];
+
+const JSON: &str = "application/json";
+const PROBLEM_JSON: &str = "application/problem+json";
+
+// ---------------------------------------------------------------------------------------------
+// Harness: the example binary
+// ---------------------------------------------------------------------------------------------
+
+/// `target/<profile>/examples/payments`, next to `target/<profile>/deps/payments_e2e-<hash>`,
+/// built (or found up to date) once per test run.
+fn example_binary() -> &'static Path {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY.get_or_init(|| {
+        let exe = std::env::current_exe().expect("the path of the test executable");
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("the test executable lives in target/<profile>/deps");
+        build_example(profile_dir);
+        let binary = profile_dir
+            .join("examples")
+            .join(format!("payments{}", std::env::consts::EXE_SUFFIX));
+        assert!(
+            binary.is_file(),
+            "the example binary {} is missing; build it with `cargo build --example payments`",
+            binary.display()
+        );
+        binary
+    })
+}
+
+/// Runs `cargo build --example payments` into the same target directory, with the profile
+/// and features of this test, so that it is a no-op after `cargo test`.
+fn build_example(profile_dir: &Path) {
+    let mut cargo = Command::new(env!("CARGO"));
+    cargo
+        .args(["build", "--example", "payments", "--quiet"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => {}
+        Some("release") => {
+            cargo.arg("--release");
+        }
+        Some(profile) => {
+            cargo.args(["--profile", profile]);
+        }
+    }
+    if let Some(target_dir) = profile_dir.parent() {
+        cargo.env("CARGO_TARGET_DIR", target_dir);
+    }
+    let mut features = vec!["postgres"];
+    if cfg!(feature = "default") {
+        features.push("default");
+    }
+    if cfg!(feature = "axum") {
+        features.push("axum");
+    }
+    if cfg!(feature = "metrics") {
+        features.push("metrics");
+    }
+    cargo
+        .arg("--no-default-features")
+        .arg("--features")
+        .arg(features.join(","));
+    match cargo.output() {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => panic!(
+            "`cargo build --example payments` failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        // No cargo at run time (tests run from an archive): use the binary as it is.
+        Err(e) => eprintln!("cannot run cargo ({e}); using the example binary as built"),
+    }
+}
+
+/// A running example process. Dropping it kills the process, also when a test panics.
+struct Server {
+    child: Child,
+    api: Api,
+    /// The address the example printed.
+    addr: SocketAddr,
+    /// Lines the example printed to stdout after the `listening on` line.
+    stdout: Receiver<String>,
+    /// Everything the example printed to stderr so far (for failure messages).
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Server {
+    /// Starts the example on a free port with `env` (on top of a clean environment) and waits
+    /// for its `listening on http://ADDR` line.
+    fn start(env: &[(&str, &str)]) -> Server {
+        Self::try_start(env).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Like [`start`](Server::start); the error describes what went wrong, with stderr.
+    fn try_start(env: &[(&str, &str)]) -> Result<Server, String> {
+        let (mut child, stdout, stderr) = spawn_example(env);
+        let first = match stdout.recv_timeout(STARTUP_TIMEOUT) {
+            Ok(line) => line,
+            Err(RecvTimeoutError::Timeout) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "the example printed no line within {STARTUP_TIMEOUT:?}; stderr:\n{}",
+                    stderr.lock().unwrap()
+                ));
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                let status = child.wait();
+                // Let the stderr thread read the last bytes.
+                std::thread::sleep(Duration::from_millis(100));
+                return Err(format!(
+                    "the example exited before listening ({status:?}); stderr:\n{}",
+                    stderr.lock().unwrap()
+                ));
+            }
+        };
+        let parsed = first
+            .strip_prefix("listening on http://")
+            .and_then(|addr| addr.parse::<SocketAddr>().ok());
+        let Some(addr) = parsed else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!(
+                "the first line of stdout is {first:?}, not `listening on http://ADDR`"
+            ));
+        };
+        assert_ne!(addr.port(), 0, "the example must print the port it bound");
+        Ok(Server {
+            child,
+            api: Api::new(addr),
+            addr,
+            stdout,
+            stderr,
+        })
+    }
+
+    /// A client for this server (cheap to clone, for concurrent requests).
+    fn api(&self) -> Api {
+        self.api.clone()
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// Sends `signal` (`TERM`, `INT`) and waits for the process to exit.
+    fn signal_and_wait(&mut self, signal: &str) -> ExitStatus {
+        let sent = Command::new("kill")
+            .args(["-s", signal, &self.child.id().to_string()])
+            .status()
+            .expect("run kill(1)");
+        assert!(sent.success(), "kill -s {signal} failed: {sent}");
+        self.wait_for_exit()
+    }
+
+    /// Kills the process with `SIGKILL`, like a crash, and waits for it.
+    fn crash(&mut self) -> ExitStatus {
+        self.child.kill().expect("SIGKILL the example");
+        self.child.wait().expect("wait for the example")
+    }
+
+    fn wait_for_exit(&mut self) -> ExitStatus {
+        let deadline = Instant::now() + EXIT_TIMEOUT;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait for the example") {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the example did not exit within {EXIT_TIMEOUT:?}; stderr:\n{}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Lines printed to stdout after the `listening on` line, up to end of file (call after
+    /// the process exited).
+    fn remaining_stdout(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        while let Ok(line) = self.stdout.recv_timeout(Duration::from_secs(5)) {
+            lines.push(line);
+        }
+        lines
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Spawns the example; its stdout lines arrive on the channel (which closes at end of file),
+/// its stderr accumulates in the string.
+fn spawn_example(env: &[(&str, &str)]) -> (Child, Receiver<String>, Arc<Mutex<String>>) {
+    let mut command = Command::new(example_binary());
+    for var in EXAMPLE_VARS {
+        command.env_remove(var);
+    }
+    command.env("BIND", "127.0.0.1:0");
+    command.envs(env.iter().copied());
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the example");
+
+    let (tx, rx) = mpsc::channel();
+    let stdout = child.stdout.take().expect("piped stdout");
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let stderr_text = Arc::new(Mutex::new(String::new()));
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let sink = stderr_text.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = stderr.read(&mut buf) {
+            sink.lock()
+                .unwrap()
+                .push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    (child, rx, stderr_text)
+}
+
+/// Runs the example with an invalid configuration: it must exit non-zero, without
+/// listening, and say what is wrong. Returns its stderr.
+fn expect_config_error(env: &[(&str, &str)]) -> String {
+    let (mut child, stdout, stderr) = spawn_example(env);
+    let deadline = Instant::now() + EXIT_TIMEOUT;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the example with {env:?} did not exit within {EXIT_TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(!status.success(), "{env:?}: exit status {status}");
+    // A panic exits with 101; a configuration error must be reported, not panicked.
+    assert_ne!(status.code(), Some(101), "{env:?}: the example panicked");
+    let printed: Vec<String> = stdout.iter().collect();
+    assert!(printed.is_empty(), "{env:?}: printed {printed:?} to stdout");
+    // Give the stderr thread a moment to read the last bytes.
+    std::thread::sleep(Duration::from_millis(100));
+    let text = stderr.lock().unwrap().clone();
+    assert!(!text.contains("panicked"), "{env:?}: panicked:\n{text}");
+    text
+}
+
+// ---------------------------------------------------------------------------------------------
+// Harness: HTTP
+// ---------------------------------------------------------------------------------------------
+
+/// A client for one server.
+#[derive(Clone)]
+struct Api {
+    client: Client<HttpConnector, Full<Bytes>>,
+    base: String,
+}
+
+/// A response, read in full.
+#[derive(Debug)]
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    fn content_type(&self) -> &str {
+        self.header("content-type").unwrap_or("")
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "the body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// Asserts a JSON answer with `status`, and returns its body.
+    fn expect_json(&self, status: StatusCode) -> Value {
+        assert_eq!(self.status, status, "{self:?}");
+        assert!(
+            self.content_type().starts_with(JSON),
+            "content-type {:?}",
+            self.content_type()
+        );
+        self.json()
+    }
+
+    /// Asserts an RFC 9457 problem with `status`, and returns its `type`.
+    fn expect_problem(&self, status: StatusCode) -> String {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(self.content_type(), PROBLEM_JSON, "{self:?}");
+        let problem = self.json();
+        assert_eq!(problem["status"], status.as_u16(), "{problem}");
+        assert!(problem["title"].is_string(), "{problem}");
+        problem["type"].as_str().expect("a problem type").to_owned()
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+impl Api {
+    fn new(addr: SocketAddr) -> Self {
+        Self {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+            base: format!("http://{addr}"),
+        }
+    }
+
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Reply {
+        let mut request = Request::builder()
+            .method(method.clone())
+            .uri(format!("{}{path}", self.base));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let body: Bytes = body.into();
+        if !body.is_empty() {
+            request = request.header(CONTENT_TYPE, JSON);
+        }
+        let request = request.body(Full::new(body)).unwrap();
+        let exchange = async {
+            let response = self.client.request(request).await?;
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await?.to_bytes();
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Reply {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+            })
+        };
+        match tokio::time::timeout(REQUEST_TIMEOUT, exchange).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(e)) => panic!("{method} {path} failed: {e}"),
+            Err(_) => panic!("{method} {path} took longer than {REQUEST_TIMEOUT:?}"),
+        }
+    }
+
+    async fn post(&self, path: &str, headers: &[(&str, &str)], body: &Value) -> Reply {
+        self.send(Method::POST, path, headers, body.to_string())
+            .await
+    }
+
+    async fn patch(&self, path: &str, headers: &[(&str, &str)], body: &Value) -> Reply {
+        self.send(Method::PATCH, path, headers, body.to_string())
+            .await
+    }
+
+    async fn get(&self, path: &str, headers: &[(&str, &str)]) -> Reply {
+        self.send(Method::GET, path, headers, Bytes::new()).await
+    }
+
+    /// `POST /payments`.
+    async fn pay(&self, headers: &[(&str, &str)], order_id: i64, amount_cents: i64) -> Reply {
+        let body = json!({ "order_id": order_id, "amount_cents": amount_cents });
+        self.post("/payments", headers, &body).await
+    }
+
+    /// The number of charges the provider made.
+    async fn charges(&self) -> i64 {
+        let reply = self.get("/provider/charges", &[]).await;
+        reply.expect_json(StatusCode::OK)["count"]
+            .as_i64()
+            .expect("an integer count")
+    }
+
+    /// The number of webhook events applied.
+    async fn webhooks_processed(&self) -> i64 {
+        let reply = self.get("/webhooks/provider", &[]).await;
+        reply.expect_json(StatusCode::OK)["processed"]
+            .as_i64()
+            .expect("an integer count")
+    }
+
+    /// `GET /orders/{order_id}` for a tenant (`None`: no `Authorization`).
+    async fn order(&self, tenant: Option<&str>, order_id: i64) -> Value {
+        let auth = tenant.map(|t| format!("Bearer {t}"));
+        let headers: Vec<(&str, &str)> = auth
+            .as_deref()
+            .map(|a| ("authorization", a))
+            .into_iter()
+            .collect();
+        let reply = self.get(&format!("/orders/{order_id}"), &headers).await;
+        reply.expect_json(StatusCode::OK)
+    }
+}
+
+/// Asserts a first answer of `POST /payments`: `201`, JSON, not a replay, the right fields.
+fn expect_new_payment(reply: &Reply, order_id: i64, amount_cents: i64) -> Value {
+    let payment = reply.expect_json(StatusCode::CREATED);
+    assert!(
+        !reply.replayed(),
+        "a first answer is not a replay: {reply:?}"
+    );
+    assert!(payment["payment_id"].is_string(), "{payment}");
+    assert!(payment["charge_id"].is_string(), "{payment}");
+    assert_eq!(payment["order_id"], order_id, "{payment}");
+    assert_eq!(payment["amount_cents"], amount_cents, "{payment}");
+    payment
+}
+
+/// Asserts that `replay` is `first` again: status, content type, body byte for byte, and
+/// `Idempotent-Replayed: true`.
+fn expect_replay_of(replay: &Reply, first: &Reply) {
+    assert_eq!(replay.status, first.status, "{replay:?}");
+    assert!(replay.replayed(), "not marked as a replay: {replay:?}");
+    assert_eq!(replay.content_type(), first.content_type());
+    assert_eq!(
+        replay.body,
+        first.body,
+        "the replay differs: {} vs {}",
+        replay.text(),
+        first.text()
+    );
+}
+
+fn order_json(order_id: i64, total: i64, payments: i64, address: Option<&str>) -> Value {
+    json!({
+        "order_id": order_id,
+        "total_cents": total,
+        "payments": payments,
+        "shipping_address": address,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Payments
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_retried_payment_is_charged_once_and_replayed_byte_for_byte() {
+    let server = Server::start(&[]);
+    let api = server.api();
+    let headers = [
+        ("idempotency-key", "8e03978e-40d5-43e8-bc93-6894a57f9324"),
+        ("authorization", "Bearer acme"),
+    ];
+
+    let first = api.pay(&headers, 42, 1999).await;
+    let payment = expect_new_payment(&first, 42, 1999);
+    assert!(first.header("idempotent-replayed").is_none());
+
+    for _ in 0..2 {
+        let again = api.pay(&headers, 42, 1999).await;
+        expect_replay_of(&again, &first);
+    }
+    assert_eq!(api.charges().await, 1, "the provider charged once");
+    assert_eq!(
+        api.order(Some("acme"), 42).await,
+        order_json(42, 1999, 1, None),
+        "the order was charged once"
+    );
+
+    // A new key is a new payment, with new ids.
+    let other = api
+        .pay(&[("idempotency-key", "another"), headers[1]], 42, 1)
+        .await;
+    let other = expect_new_payment(&other, 42, 1);
+    assert_ne!(other["payment_id"], payment["payment_id"]);
+    assert_ne!(other["charge_id"], payment["charge_id"]);
+    assert_eq!(api.charges().await, 2);
+    assert_eq!(
+        api.order(Some("acme"), 42).await,
+        order_json(42, 2000, 2, None)
+    );
+}
+
+#[tokio::test]
+async fn a_quoted_key_is_the_same_key_as_a_bare_one() {
+    let server = Server::start(&[]);
+    let api = server.api();
+
+    let quoted = api.pay(&[("idempotency-key", "\"abc\"")], 1, 500).await;
+    expect_new_payment(&quoted, 1, 500);
+    let bare = api.pay(&[("idempotency-key", "abc")], 1, 500).await;
+    expect_replay_of(&bare, &quoted);
+    assert_eq!(api.charges().await, 1);
+}
+
+#[tokio::test]
+async fn requests_without_a_valid_key_or_body_are_refused() {
+    let server = Server::start(&[]);
+    let api = server.api();
+
+    let missing = api.pay(&[], 1, 500).await;
+    let kind = missing.expect_problem(StatusCode::BAD_REQUEST);
+    assert!(kind.ends_with("missing-key"), "{kind}");
+
+    let too_long = "k".repeat(256);
+    let reply = api.pay(&[("idempotency-key", &too_long)], 1, 500).await;
+    let kind = reply.expect_problem(StatusCode::BAD_REQUEST);
+    assert!(kind.ends_with("invalid-key"), "{kind}");
+
+    let bad_json = api
+        .send(
+            Method::POST,
+            "/payments",
+            &[("idempotency-key", "bad-json")],
+            "{not json",
+        )
+        .await;
+    assert!(bad_json.status.is_client_error(), "{bad_json:?}");
+
+    let wrong_shape = api
+        .post(
+            "/payments",
+            &[("idempotency-key", "wrong-shape")],
+            &json!({ "order_id": "one", "amount_cents": 5 }),
+        )
+        .await;
+    assert!(wrong_shape.status.is_client_error(), "{wrong_shape:?}");
+
+    for amount in [0, -5] {
+        let key = format!("amount{amount}");
+        let reply = api.pay(&[("idempotency-key", &key)], 1, amount).await;
+        reply.expect_problem(StatusCode::BAD_REQUEST);
+    }
+
+    assert_eq!(api.charges().await, 0, "nothing was charged");
+}
+
+#[tokio::test]
+async fn a_key_of_255_characters_works_and_its_derived_key_too() {
+    let server = Server::start(&[]);
+    let api = server.api();
+    let key = "k".repeat(255);
+
+    let first = api.pay(&[("idempotency-key", &key)], 7, 300).await;
+    expect_new_payment(&first, 7, 300);
+    // The same key, quoted (257 bytes on the wire), is the same key.
+    let quoted = format!("\"{key}\"");
+    let again = api.pay(&[("idempotency-key", &quoted)], 7, 300).await;
+    expect_replay_of(&again, &first);
+    assert_eq!(api.charges().await, 1);
+}
+
+#[tokio::test]
+async fn the_same_key_with_another_body_is_422_and_the_stored_answer_stays() {
+    let server = Server::start(&[]);
+    let api = server.api();
+    let headers = [("idempotency-key", "reused")];
+
+    let first = api.pay(&headers, 3, 1000).await;
+    expect_new_payment(&first, 3, 1000);
+
+    let other_amount = api.pay(&headers, 3, 2000).await;
+    let kind = other_amount.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(kind.ends_with("key-reused"), "{kind}");
+    let other_order = api.pay(&headers, 4, 1000).await;
+    other_order.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+
+    let original = api.pay(&headers, 3, 1000).await;
+    expect_replay_of(&original, &first);
+    assert_eq!(api.charges().await, 1);
+    assert_eq!(api.order(None, 3).await, order_json(3, 1000, 1, None));
+    assert_eq!(api.order(None, 4).await, order_json(4, 0, 0, None));
+}
+
+#[tokio::test]
+async fn keys_are_scoped_per_tenant() {
+    let server = Server::start(&[]);
+    let api = server.api();
+    let key = ("idempotency-key", "shared-key");
+
+    let acme = api
+        .pay(&[key, ("authorization", "Bearer acme")], 1, 1000)
+        .await;
+    let acme_payment = expect_new_payment(&acme, 1, 1000);
+    let globex = api
+        .pay(&[key, ("authorization", "Bearer globex")], 1, 1000)
+        .await;
+    let globex_payment = expect_new_payment(&globex, 1, 1000);
+    let anonymous = api.pay(&[key], 1, 1000).await;
+    let anonymous_payment = expect_new_payment(&anonymous, 1, 1000);
+
+    assert_ne!(acme_payment["payment_id"], globex_payment["payment_id"]);
+    assert_ne!(acme_payment["charge_id"], globex_payment["charge_id"]);
+    assert_ne!(acme_payment["payment_id"], anonymous_payment["payment_id"]);
+    // The provider scopes the derived key per tenant too: three real charges.
+    assert_eq!(api.charges().await, 3);
+
+    // Each tenant replays its own answer.
+    let acme_again = api
+        .pay(&[key, ("authorization", "Bearer acme")], 1, 1000)
+        .await;
+    expect_replay_of(&acme_again, &acme);
+    let globex_again = api
+        .pay(&[key, ("authorization", "Bearer globex")], 1, 1000)
+        .await;
+    expect_replay_of(&globex_again, &globex);
+    assert_eq!(api.charges().await, 3);
+
+    for tenant in [Some("acme"), Some("globex"), None] {
+        assert_eq!(
+            api.order(tenant, 1).await,
+            order_json(1, 1000, 1, None),
+            "{tenant:?}"
+        );
+    }
+    assert_eq!(
+        api.order(Some("initech"), 1).await,
+        order_json(1, 0, 0, None)
+    );
+}
+
+#[tokio::test]
+async fn concurrent_duplicates_are_charged_once() {
+    let server = Server::start(&[("CHARGE_DELAY_MS", "500")]);
+    let api = server.api();
+
+    let mut requests = tokio::task::JoinSet::new();
+    for _ in 0..20 {
+        let api = api.clone();
+        requests.spawn(async move {
+            api.pay(
+                &[
+                    ("idempotency-key", "double-click"),
+                    ("authorization", "Bearer acme"),
+                ],
+                9,
+                4200,
+            )
+            .await
+        });
+    }
+    let replies = requests.join_all().await;
+
+    let executed: Vec<&Reply> = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::CREATED && !r.replayed())
+        .collect();
+    assert_eq!(executed.len(), 1, "exactly one request ran: {replies:#?}");
+    let first = executed[0];
+    expect_new_payment(first, 9, 4200);
+    for reply in &replies {
+        if std::ptr::eq(reply, first) {
+            continue;
+        }
+        if reply.status == StatusCode::CONFLICT {
+            let kind = reply.expect_problem(StatusCode::CONFLICT);
+            assert!(kind.ends_with("request-in-progress"), "{kind}");
+            let retry_after: u64 = reply
+                .header("retry-after")
+                .unwrap_or_else(|| panic!("409 without {RETRY_AFTER}: {reply:?}"))
+                .parse()
+                .expect("Retry-After in seconds");
+            assert!(retry_after >= 1, "{reply:?}");
+        } else {
+            expect_replay_of(reply, first);
+        }
+    }
+    assert_eq!(api.charges().await, 1, "the provider charged once");
+    assert_eq!(
+        api.order(Some("acme"), 9).await,
+        order_json(9, 4200, 1, None)
+    );
+    // Once the first finished, a retry is a replay.
+    let retry = api
+        .pay(
+            &[
+                ("idempotency-key", "double-click"),
+                ("authorization", "Bearer acme"),
+            ],
+            9,
+            4200,
+        )
+        .await;
+    expect_replay_of(&retry, first);
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_is_413_and_nothing_is_stored() {
+    let server = Server::start(&[("MAX_BODY_BYTES", "1024")]);
+    let api = server.api();
+    let headers = [("idempotency-key", "big")];
+
+    let big = json!({ "order_id": 5, "amount_cents": 100, "note": "x".repeat(2048) });
+    let reply = api.post("/payments", &headers, &big).await;
+    let kind = reply.expect_problem(StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(kind.ends_with("body-too-large"), "{kind}");
+    assert_eq!(api.charges().await, 0);
+
+    // Nothing was stored for the key: a request that fits runs.
+    let small = api.pay(&headers, 5, 100).await;
+    expect_new_payment(&small, 5, 100);
+    assert_eq!(api.charges().await, 1);
+}
+
+#[tokio::test]
+async fn keys_expire_after_the_ttl() {
+    let server = Server::start(&[("IDEMPOTENCY_TTL_SECS", "1")]);
+    let api = server.api();
+    let headers = [("idempotency-key", "short-lived")];
+
+    let first = api.pay(&headers, 6, 700).await;
+    let first_payment = expect_new_payment(&first, 6, 700);
+    let again = api.pay(&headers, 6, 700).await;
+    expect_replay_of(&again, &first);
+
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+
+    let later = api.pay(&headers, 6, 700).await;
+    let later_payment = expect_new_payment(&later, 6, 700);
+    assert_ne!(later_payment["charge_id"], first_payment["charge_id"]);
+    assert_ne!(later_payment["payment_id"], first_payment["payment_id"]);
+    assert_eq!(api.charges().await, 2, "after the TTL the key is new");
+    assert_eq!(api.order(None, 6).await, order_json(6, 1400, 2, None));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Orders, pass-through, webhooks
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn patching_an_order_is_idempotent() {
+    let server = Server::start(&[]);
+    let api = server.api();
+    let acme = ("authorization", "Bearer acme");
+
+    let address = json!({ "shipping_address": "1 Main St" });
+    let first = api
+        .patch(
+            "/orders/11",
+            &[("idempotency-key", "addr-1"), acme],
+            &address,
+        )
+        .await;
+    assert_eq!(
+        first.expect_json(StatusCode::OK),
+        order_json(11, 0, 0, Some("1 Main St"))
+    );
+    assert!(!first.replayed());
+    let again = api
+        .patch(
+            "/orders/11",
+            &[("idempotency-key", "addr-1"), acme],
+            &address,
+        )
+        .await;
+    expect_replay_of(&again, &first);
+
+    let moved = json!({ "shipping_address": "2 Side St" });
+    let reused = api
+        .patch("/orders/11", &[("idempotency-key", "addr-1"), acme], &moved)
+        .await;
+    reused.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+    let no_key = api.patch("/orders/11", &[acme], &moved).await;
+    no_key.expect_problem(StatusCode::BAD_REQUEST);
+    assert_eq!(
+        api.order(Some("acme"), 11).await,
+        order_json(11, 0, 0, Some("1 Main St"))
+    );
+
+    let second = api
+        .patch("/orders/11", &[("idempotency-key", "addr-2"), acme], &moved)
+        .await;
+    assert_eq!(
+        second.expect_json(StatusCode::OK),
+        order_json(11, 0, 0, Some("2 Side St"))
+    );
+    // The order is the tenant's: another tenant's order 11 is untouched.
+    assert_eq!(api.order(None, 11).await, order_json(11, 0, 0, None));
+
+    // Payments and the address end up in the same order.
+    let paid = api
+        .pay(&[("idempotency-key", "pay-11"), acme], 11, 250)
+        .await;
+    expect_new_payment(&paid, 11, 250);
+    assert_eq!(
+        api.order(Some("acme"), 11).await,
+        order_json(11, 250, 1, Some("2 Side St"))
+    );
+}
+
+#[tokio::test]
+async fn gets_pass_through_and_unknown_paths_are_404() {
+    let server = Server::start(&[]);
+    let api = server.api();
+    let too_long = "k".repeat(300);
+
+    for key in ["a-key", too_long.as_str()] {
+        for _ in 0..2 {
+            let order = api.get("/orders/5", &[("idempotency-key", key)]).await;
+            assert_eq!(order.expect_json(StatusCode::OK), order_json(5, 0, 0, None));
+            assert!(!order.replayed());
+            let charges = api
+                .get("/provider/charges", &[("idempotency-key", key)])
+                .await;
+            assert_eq!(charges.expect_json(StatusCode::OK), json!({ "count": 0 }));
+            assert!(!charges.replayed());
+        }
+        let webhooks = api.get("/webhooks/provider", &[("webhook-id", key)]).await;
+        assert_eq!(
+            webhooks.expect_json(StatusCode::OK),
+            json!({ "processed": 0 })
+        );
+    }
+
+    let unknown = api
+        .post("/nope", &[("idempotency-key", "k")], &json!({}))
+        .await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND, "{unknown:?}");
+    let unknown = api.post("/nope", &[], &json!({})).await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND, "{unknown:?}");
+    let unknown = api.get("/payments/1", &[]).await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND, "{unknown:?}");
+}
+
+#[tokio::test]
+async fn a_redelivered_webhook_is_applied_once() {
+    let server = Server::start(&[]);
+    let api = server.api();
+    let event = json!({ "type": "charge.succeeded", "data": { "charge_id": "ch_1" } });
+
+    let mut replies = Vec::new();
+    for _ in 0..3 {
+        let reply = api
+            .post("/webhooks/provider", &[("webhook-id", "msg_1")], &event)
+            .await;
+        assert_eq!(
+            reply.expect_json(StatusCode::OK),
+            json!({ "received": true })
+        );
+        replies.push(reply);
+    }
+    assert!(!replies[0].replayed());
+    expect_replay_of(&replies[1], &replies[0]);
+    expect_replay_of(&replies[2], &replies[0]);
+    assert_eq!(api.webhooks_processed().await, 1);
+
+    let other = api
+        .post(
+            "/webhooks/provider",
+            &[("webhook-id", "msg_2")],
+            &json!([1, 2]),
+        )
+        .await;
+    other.expect_json(StatusCode::OK);
+    assert_eq!(api.webhooks_processed().await, 2);
+
+    // The receiver's key is the `webhook-id`: an `Idempotency-Key` does not stand in for it.
+    let no_id = api
+        .post(
+            "/webhooks/provider",
+            &[("idempotency-key", "msg_3")],
+            &event,
+        )
+        .await;
+    let kind = no_id.expect_problem(StatusCode::BAD_REQUEST);
+    assert!(kind.ends_with("missing-key"), "{kind}");
+    assert_eq!(api.webhooks_processed().await, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// IDEMPOTENCY=off, signals, configuration
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn without_the_layer_the_same_routes_work_without_keys() {
+    let server = Server::start(&[("IDEMPOTENCY", "off"), ("MAX_BODY_BYTES", "1024")]);
+    let api = server.api();
+    let acme = ("authorization", "Bearer acme");
+
+    let first = api.pay(&[acme], 8, 100).await;
+    let first = expect_new_payment(&first, 8, 100);
+    let second = api.pay(&[acme], 8, 100).await;
+    let second = expect_new_payment(&second, 8, 100);
+    assert_ne!(first["payment_id"], second["payment_id"]);
+    assert_ne!(first["charge_id"], second["charge_id"]);
+    assert_eq!(api.charges().await, 2, "no layer: every request charges");
+    assert_eq!(
+        api.order(Some("acme"), 8).await,
+        order_json(8, 200, 2, None)
+    );
+
+    let patched = api
+        .patch("/orders/8", &[acme], &json!({ "shipping_address": "Here" }))
+        .await;
+    assert_eq!(
+        patched.expect_json(StatusCode::OK),
+        order_json(8, 200, 2, Some("Here"))
+    );
+
+    let webhook = api
+        .post("/webhooks/provider", &[], &json!({ "type": "ping" }))
+        .await;
+    assert_eq!(
+        webhook.expect_json(StatusCode::OK),
+        json!({ "received": true })
+    );
+    assert_eq!(api.webhooks_processed().await, 1);
+
+    let provider = api
+        .post("/provider/charges", &[], &json!({ "amount_cents": 5 }))
+        .await;
+    let charge = provider.expect_json(StatusCode::CREATED);
+    assert!(charge["charge_id"].is_string(), "{charge}");
+    assert_eq!(charge["amount_cents"], 5);
+    assert_eq!(api.charges().await, 3);
+
+    let big = json!({ "order_id": 8, "amount_cents": 1, "note": "x".repeat(2048) });
+    let reply = api.post("/payments", &[acme], &big).await;
+    assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE, "{reply:?}");
+    assert_eq!(api.charges().await, 3);
+}
+
+#[tokio::test]
+async fn the_provider_is_protected_on_its_own() {
+    let server = Server::start(&[]);
+    let api = server.api();
+    let headers = [
+        ("idempotency-key", "charge-1"),
+        ("authorization", "Bearer acme"),
+    ];
+    let body = json!({ "amount_cents": 900 });
+
+    let first = api.post("/provider/charges", &headers, &body).await;
+    let charge = first.expect_json(StatusCode::CREATED);
+    assert!(charge["charge_id"].is_string(), "{charge}");
+    assert_eq!(charge["amount_cents"], 900);
+    let again = api.post("/provider/charges", &headers, &body).await;
+    expect_replay_of(&again, &first);
+    assert_eq!(api.charges().await, 1);
+
+    let no_key = api
+        .post(
+            "/provider/charges",
+            &[("authorization", "Bearer acme")],
+            &body,
+        )
+        .await;
+    no_key.expect_problem(StatusCode::BAD_REQUEST);
+    assert_eq!(api.charges().await, 1);
+}
+
+#[tokio::test]
+async fn sigterm_stops_the_example_cleanly() {
+    let mut server = Server::start(&[]);
+    let api = server.api();
+    let reply = api.pay(&[("idempotency-key", "before-stop")], 1, 10).await;
+    expect_new_payment(&reply, 1, 10);
+
+    let status = server.signal_and_wait("TERM");
+    assert!(
+        status.success(),
+        "exit status {status}; stderr:\n{}",
+        server.stderr()
+    );
+    assert_eq!(
+        server.remaining_stdout(),
+        Vec::<String>::new(),
+        "stdout holds only the `listening on` line"
+    );
+}
+
+#[tokio::test]
+async fn sigint_stops_the_example_cleanly() {
+    let mut server = Server::start(&[]);
+    assert_eq!(server.api().charges().await, 0);
+    let status = server.signal_and_wait("INT");
+    assert!(
+        status.success(),
+        "exit status {status}; stderr:\n{}",
+        server.stderr()
+    );
+}
+
+#[test]
+fn it_listens_where_bind_says() {
+    // Find a free port, release it, and ask the example for it. Another process may take the
+    // port in between, so try a few.
+    for _ in 0..5 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let bind = format!("127.0.0.1:{port}");
+        match Server::try_start(&[("BIND", &bind)]) {
+            Ok(server) => {
+                assert_eq!(server.addr.to_string(), bind);
+                return;
+            }
+            Err(e) if e.contains("cannot listen") => continue,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    panic!("the example could not bind any of 5 free ports");
+}
+
+#[test]
+fn invalid_configuration_is_reported_and_exits_non_zero() {
+    let cases: &[(&str, &str)] = &[
+        ("IDEMPOTENCY_TTL_SECS", "abc"),
+        ("IDEMPOTENCY_TTL_SECS", "-1"),
+        ("IDEMPOTENCY_LEASE_MS", "1.5"),
+        ("CHARGE_DELAY_MS", "soon"),
+        ("MAX_BODY_BYTES", "1MB"),
+        ("IDEMPOTENCY", "maybe"),
+        ("BIND", "not an address"),
+    ];
+    for &(var, value) in cases {
+        let stderr = expect_config_error(&[(var, value)]);
+        assert!(
+            stderr.contains(var),
+            "the error for {var}={value:?} should name the variable:\n{stderr}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Postgres
+// ---------------------------------------------------------------------------------------------
+
+/// `url` with its database name replaced by `name` (the query string is kept).
+fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let authority = base.find("://").map_or(0, |i| i + 3);
+    let server = match base[authority..].find('/') {
+        Some(slash) => &base[..authority + slash],
+        None => base,
+    };
+    match query {
+        Some(query) => format!("{server}/{name}?{query}"),
+        None => format!("{server}/{name}"),
+    }
+}
+
+#[test]
+fn with_database_replaces_only_the_database_name() {
+    assert_eq!(
+        with_database("postgres://postgres@127.0.0.1:5432/postgres", "e2e_x"),
+        "postgres://postgres@127.0.0.1:5432/e2e_x"
+    );
+    assert_eq!(
+        with_database("postgres://u:p@db/app?sslmode=disable", "e2e_x"),
+        "postgres://u:p@db/e2e_x?sslmode=disable"
+    );
+    assert_eq!(
+        with_database("postgres://localhost", "e2e_x"),
+        "postgres://localhost/e2e_x"
+    );
+}
+
+/// A database name no other run uses.
+fn fresh_database_name() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("e2e_{}_{nanos:x}", std::process::id())
+}
+
+#[tokio::test]
+async fn postgres_keeps_keys_and_data_across_a_crash() {
+    let admin_url =
+        std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
+    let admin = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&admin_url)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "Postgres is unreachable at {admin_url}: {e}\n\
+                 This test needs Postgres: run ./scripts/test.sh, or set DATABASE_URL to a \
+                 server where the test may create databases."
+            )
+        });
+    let name = fresh_database_name();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&admin)
+        .await
+        .unwrap_or_else(|e| panic!("CREATE DATABASE {name} at {admin_url}: {e}"));
+
+    // Run the scenario as a task, so that the database is dropped even when it panics.
+    let url = with_database(&admin_url, &name);
+    let outcome = tokio::spawn(crash_and_restart(url)).await;
+
+    let dropped = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+    )))
+    .execute(&admin)
+    .await;
+    admin.close().await;
+    match outcome {
+        Ok(()) => {}
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => panic!("the scenario did not finish: {e}"),
+    }
+    dropped.unwrap_or_else(|e| panic!("DROP DATABASE {name}: {e}"));
+}
+
+/// Pays, crashes the example with SIGKILL, restarts it on the same database, and checks that
+/// keys, payments, charges, orders and webhook events all survived.
+async fn crash_and_restart(url: String) {
+    let acme = ("authorization", "Bearer acme");
+    let key = ("idempotency-key", "pg-payment-1");
+    let event = json!({ "type": "charge.succeeded" });
+
+    let mut server = Server::start(&[("DATABASE_URL", &url)]);
+    let api = server.api();
+    let first = api.pay(&[key, acme], 21, 3100).await;
+    let payment = expect_new_payment(&first, 21, 3100);
+    let again = api.pay(&[key, acme], 21, 3100).await;
+    expect_replay_of(&again, &first);
+    let reused = api.pay(&[key, acme], 21, 1).await;
+    reused.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(api.charges().await, 1);
+    let patched = api
+        .patch(
+            "/orders/21",
+            &[("idempotency-key", "pg-address"), acme],
+            &json!({ "shipping_address": "1 Main St" }),
+        )
+        .await;
+    assert_eq!(
+        patched.expect_json(StatusCode::OK),
+        order_json(21, 3100, 1, Some("1 Main St"))
+    );
+    let webhook = api
+        .post("/webhooks/provider", &[("webhook-id", "msg_pg")], &event)
+        .await;
+    webhook.expect_json(StatusCode::OK);
+    assert_eq!(api.webhooks_processed().await, 1);
+
+    let status = server.crash();
+    assert!(!status.success(), "SIGKILL: {status}");
+    drop(server);
+
+    // The same database, a new process: everything is still there.
+    let mut server = Server::start(&[("DATABASE_URL", &url), ("CHARGE_DELAY_MS", "300")]);
+    let api = server.api();
+    let replay = api.pay(&[key, acme], 21, 3100).await;
+    expect_replay_of(&replay, &first);
+    assert_eq!(api.charges().await, 1, "no second charge after the restart");
+    assert_eq!(
+        api.order(Some("acme"), 21).await,
+        order_json(21, 3100, 1, Some("1 Main St"))
+    );
+    let redelivered = api
+        .post("/webhooks/provider", &[("webhook-id", "msg_pg")], &event)
+        .await;
+    expect_replay_of(&redelivered, &webhook);
+    assert_eq!(api.webhooks_processed().await, 1);
+
+    // New payments continue the sequences, and concurrent duplicates are still charged once.
+    let mut requests = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let api = api.clone();
+        requests.spawn(async move {
+            api.pay(&[("idempotency-key", "pg-payment-2"), acme], 21, 900)
+                .await
+        });
+    }
+    let replies = requests.join_all().await;
+    let executed: Vec<&Reply> = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::CREATED && !r.replayed())
+        .collect();
+    assert_eq!(executed.len(), 1, "{replies:#?}");
+    let second = expect_new_payment(executed[0], 21, 900);
+    for reply in &replies {
+        assert!(
+            reply.status == StatusCode::CONFLICT || reply.status == StatusCode::CREATED,
+            "{reply:?}"
+        );
+    }
+    assert_ne!(second["payment_id"], payment["payment_id"]);
+    assert_ne!(second["charge_id"], payment["charge_id"]);
+    assert_eq!(api.charges().await, 2);
+    assert_eq!(
+        api.order(Some("acme"), 21).await,
+        order_json(21, 4000, 2, Some("1 Main St"))
+    );
+    let status = server.signal_and_wait("TERM");
+    assert!(status.success(), "{status}; stderr:\n{}", server.stderr());
+
+    // The data is in the example's own tables.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let payments: i64 = sqlx::query_scalar("SELECT count(*) FROM example_payments")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(payments, 2);
+    let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM example_provider_charges")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(charges, 2);
+    pool.close().await;
+}
