@@ -322,7 +322,7 @@ impl<St: Store> Run<St> {
         let work = async {
             let response = inner.call(req).await?;
             if response.status().is_server_error() && !config.store_server_errors {
-                return Ok((response.map(ResponseBody::inner), false));
+                return Ok((response.map(ResponseBody::inner), None));
             }
             let (res_parts, body) = response.into_parts();
             let (body, stored) = match collect(body, config.max_response_body).await {
@@ -338,21 +338,29 @@ impl<St: Store> Run<St> {
                 }
                 Collected::Failed(head, err) => (ResponseBody::failed(head, err), None),
             };
-            let done = match stored {
-                Some(stored) => self.complete(&guard, &stored).await,
-                None => false,
-            };
-            Ok((Response::from_parts(res_parts, body), done))
+            Ok((Response::from_parts(res_parts, body), stored))
         };
         let outcome = renewing(work, &guard, config.lease).await;
         match outcome {
-            Ok((response, true)) => {
-                guard.disarm();
+            Ok((response, Some(stored))) => {
+                // The handler's work is done: from here on, a dropped request must not release
+                // the key (a retry would run the handler twice). The answer is stored by a task
+                // of its own, which finishes even if this future is dropped while waiting.
+                if let Some(held) = guard.held.take() {
+                    let ttl = config.ttl;
+                    let completion = tokio::spawn(async move { held.complete(&stored, ttl).await });
+                    if let Err(e) = completion.await {
+                        tracing::error!(
+                            error = &e as &dyn std::error::Error,
+                            "storing the answer panicked"
+                        );
+                    }
+                }
                 Ok(response)
             }
             // A 5xx, a failed response body, or a handler error: nothing is stored and the
             // key is released, so a retry runs the handler again.
-            Ok((response, false)) => {
+            Ok((response, None)) => {
                 guard.release().await;
                 Ok(response)
             }
@@ -361,32 +369,6 @@ impl<St: Store> Run<St> {
                 Err(err)
             }
         }
-    }
-
-    /// Stores the answer. Returns `true` when the key must not be released: it was completed,
-    /// or completing failed after the side effects happened (the key is then left to its
-    /// lease rather than released, so a retry cannot run the handler twice while the store
-    /// is failing).
-    async fn complete(&self, guard: &ReleaseGuard<St>, stored: &StoredResponse) -> bool {
-        let Some(held) = &guard.held else {
-            return true;
-        };
-        match self
-            .store
-            .complete(&held.scope, &held.key, held.token, stored, self.config.ttl)
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                "idempotency lease was lost while the handler ran (another request took the key \
-                 over); this answer was not stored"
-            ),
-            Err(err) => log_store_error(
-                &err,
-                "store the answer; the client gets it, the key waits for its lease",
-            ),
-        }
-        true
     }
 }
 
@@ -541,10 +523,6 @@ struct ReleaseGuard<St: Store> {
 }
 
 impl<St: Store> ReleaseGuard<St> {
-    fn disarm(&mut self) {
-        self.held = None;
-    }
-
     async fn release(&mut self) {
         if let Some(held) = self.held.take() {
             held.release().await;
@@ -553,6 +531,26 @@ impl<St: Store> ReleaseGuard<St> {
 }
 
 impl<St: Store> Held<St> {
+    /// Stores the answer. On failure the key is not released (the work was done): it is left
+    /// to its lease, so a retry cannot run the handler twice while the store is failing.
+    async fn complete(self, stored: &StoredResponse, ttl: Duration) {
+        match self
+            .store
+            .complete(&self.scope, &self.key, self.token, stored, ttl)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                "idempotency lease was lost while the handler ran (another request took the key \
+                 over); this answer was not stored"
+            ),
+            Err(err) => log_store_error(
+                &err,
+                "store the answer; the client gets it, the key waits for its lease",
+            ),
+        }
+    }
+
     async fn release(self) {
         match self.store.release(&self.scope, &self.key, self.token).await {
             Ok(_) => tracing::debug!("idempotency key released"),
