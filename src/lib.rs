@@ -56,8 +56,10 @@
 //!
 //! When the handler answers, the layer stores its answer (2xx, 3xx and 4xx; 5xx only with
 //! [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors)) and the key
-//! becomes *completed* for the TTL. A `5xx`, a handler error, a panic or a dropped request
-//! future (the client went away) **releases** the key, so a retry runs the handler again.
+//! becomes *completed* for the TTL. A `5xx`, a handler error, a panic or a request future
+//! dropped while the handler runs (the client went away) **releases** the key, so a retry
+//! runs the handler again. Once the handler has answered, its answer is stored by a task of
+//! its own, even if the client is gone by then.
 //! While the handler runs, the layer renews the lease every third of it; a lease only runs
 //! out when the process running the handler dies. Completing and releasing need the claim's
 //! fencing token, so a request whose key was taken over can never overwrite the new owner's

@@ -44,8 +44,9 @@ const MIGRATION_LOCK: i64 = 0x746f_7769_6465_6d31;
 ///
 /// # Schema
 ///
-/// [`migrate`](PostgresStore::migrate) creates the table `tower_idempotency_keys` and the
-/// sequence `tower_idempotency_lease_token_seq` in the first schema of the connection's
+/// [`migrate`](PostgresStore::migrate) creates the table `tower_idempotency_keys`, the
+/// sequence `tower_idempotency_lease_token_seq` and the inbox's table
+/// `tower_idempotency_processed_messages` in the first schema of the connection's
 /// `search_path`, and records what it applied in its own history table,
 /// `tower_idempotency_migrations`, so it never touches the application's migration history.
 /// The SQL is in the crate's `migrations/` folder for those who apply migrations with their
