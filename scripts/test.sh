@@ -75,7 +75,9 @@ and run ./scripts/test.sh again, or set DATABASE_URL to a server you own."
     "${run_as[@]}" "$bin/initdb" -D "$data/db" -U postgres --auth=trust -E UTF8 >/dev/null
     "${run_as[@]}" "$bin/pg_ctl" -D "$data/db" -l "$data/log" -w \
         -o "-p $port -k $data -c listen_addresses=127.0.0.1 -c max_connections=300 -c fsync=off" start >/dev/null
-    trap '"${run_as[@]}" "$bin/pg_ctl" -D "$data/db" -m fast stop >/dev/null 2>&1 || true' EXIT
+    # Stop it when the script exits (the command is expanded now: the locals are gone then).
+    # shellcheck disable=SC2064
+    trap "$(printf '%q ' "${run_as[@]}" "$bin/pg_ctl" -D "$data/db" -m fast stop) >/dev/null 2>&1 || true" EXIT
     url="postgres://postgres@127.0.0.1:$port/postgres"
 }
 
