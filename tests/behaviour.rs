@@ -691,6 +691,29 @@ async fn key_from_a_function<F: Fixture>(fx: &F) {
     assert_eq!(calls.get("/hook"), 2);
 }
 
+async fn rejections_can_be_rendered_differently<F: Fixture>(fx: &F) {
+    let calls = Calls::default();
+    let app = build(
+        layer(fx.store()).with_rejection_handler(|r| {
+            let mut res = http::Response::new(Bytes::from(format!("nope: {}", r.code())));
+            *res.status_mut() = r.status();
+            res
+        }),
+        &calls,
+    );
+    let missing = app(req("POST", "/pay", None, "")).await;
+    assert_eq!(
+        (missing.status, missing.text()),
+        (StatusCode::BAD_REQUEST, "nope: missing-key".into())
+    );
+    app(req("POST", "/pay", Some("k"), "a")).await;
+    let reused = app(req("POST", "/pay", Some("k"), "b")).await;
+    assert_eq!(
+        (reused.status.as_u16(), reused.text()),
+        (422, "nope: key-reused".into())
+    );
+}
+
 async fn purge_deletes_expired_records_in_batches<F: Fixture>(fx: &F) {
     let store = fx.store();
     let short = Duration::from_millis(200);
@@ -787,5 +810,6 @@ suite!(
     handler_sees_the_key,
     custom_header_names_the_key,
     key_from_a_function,
+    rejections_can_be_rendered_differently,
     purge_deletes_expired_records_in_batches,
 );
