@@ -16,6 +16,15 @@
 //! provider ──POST /webhooks/provider──▶ [idempotency on webhook-id] ▶ receive_webhook
 //! ```
 //!
+//! With `DATABASE_URL` set, every layer runs in transactional mode
+//! ([`PostgresStore::transactional`]): the layer opens a transaction and claims the key in it,
+//! the handler writes its rows through that transaction ([`IdempotentTx`]), and the layer
+//! stores the answer and commits before it answers. A payment row therefore commits together
+//! with its key, or not at all: a crash at any point leaves neither behind, and the client's
+//! retry runs again at once. The charge at the provider is the one step outside the payments
+//! transaction; the derived key covers it (the provider's own charge row commits with
+//! `k:charge`, in the provider's transaction).
+//!
 //! # Run it
 //!
 //! ```text
@@ -38,9 +47,9 @@
 //! | variable | default | meaning |
 //! |---|---|---|
 //! | `BIND` | `127.0.0.1:3000` | address to listen on (port `0`: any free port) |
-//! | `DATABASE_URL` | unset | unset: everything in memory. Set: keys in [`PostgresStore`], data in `example_*` tables |
+//! | `DATABASE_URL` | unset | unset: everything in memory. Set: Postgres store (migrated at start) in transactional mode; data in `example_*` tables, written in the same transaction as the key |
 //! | `IDEMPOTENCY_TTL_SECS` | `86400` | how long a key is remembered ([`IdempotencyLayer::with_ttl`]) |
-//! | `IDEMPOTENCY_LEASE_MS` | `30000` | how long a claim holds a key ([`IdempotencyLayer::with_lease`]) |
+//! | `IDEMPOTENCY_LEASE_MS` | `30000` | how long a claim holds a key ([`IdempotencyLayer::with_lease`]); in memory only: in Postgres a claim lasts as long as its transaction |
 //! | `CHARGE_DELAY_MS` | `0` | how long the provider takes for each new charge |
 //! | `MAX_BODY_BYTES` | `1048576` | larger request bodies are answered `413` |
 //! | `IDEMPOTENCY` | `on` | `off`: the same routes without the layer (a baseline for benchmarks) |
@@ -66,6 +75,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io::{IsTerminal as _, Write as _};
+use std::ops::{Deref, DerefMut};
 use std::process::ExitCode;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -82,12 +92,12 @@ use axum::routing::{patch, post};
 use axum::{Extension, Json, Router};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgExecutor, PgPoolOptions};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tower::ServiceExt as _;
 use tower_idempotency::{
-    IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, MemoryStore, PostgresStore, Store,
-    spawn_purge_task,
+    IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, IdempotentTx, MemoryStore, Mode,
+    PostgresStore, TxConn, spawn_purge_task,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -212,28 +222,32 @@ async fn serve(config: Config) -> Result<(), BoxError> {
     // after the announcement already means "shut down" and not "die".
     let shutdown = shutdown_signal()?;
 
-    let db = match &config.database_url {
-        None => Db::memory(),
-        Some(url) => Db::postgres(url).await?,
+    let storage = match &config.database_url {
+        None => Storage::memory(),
+        Some(url) => Storage::postgres(url).await?,
     };
 
     // The idempotency keys live next to the data: in Postgres, where every instance of the
     // service sees them, or in memory. (With `IDEMPOTENCY=off` the store is never used.)
     // Expired keys are never replayed, but they take space until deleted: purge them.
-    let (router, purge) = match &db {
-        Db::Postgres(pool) if config.idempotency => {
-            let store = PostgresStore::new(pool.clone());
+    let (router, purge) = match storage.pools() {
+        Some((payments, provider)) if config.idempotency => {
+            let store = PostgresStore::new(payments.clone());
             store
                 .migrate()
                 .await
                 .map_err(|e| format!("cannot create the idempotency tables: {e}"))?;
+            // One table for every layer, so one purge task.
             let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH);
-            (app(&config, db.clone(), store), purge)
+            // Transactional mode: each layer opens its transactions on its service's pool.
+            let provider_store = PostgresStore::new(provider.clone()).transactional();
+            let router = app(&config, &storage, store.transactional(), provider_store);
+            (router, purge)
         }
         _ => {
             let store = MemoryStore::new();
             let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH);
-            (app(&config, db.clone(), store), purge)
+            (app(&config, &storage, store.clone(), store), purge)
         }
     };
 
@@ -258,7 +272,7 @@ async fn serve(config: Config) -> Result<(), BoxError> {
         .await?;
 
     purge.abort();
-    db.close().await;
+    storage.close().await;
     tracing::info!("payments example stopped");
     Ok(())
 }
@@ -311,11 +325,18 @@ struct ProviderState {
 /// The whole server: payments and orders, the fake provider, and the webhook receiver, each
 /// behind its own idempotency layer (unless `IDEMPOTENCY=off`).
 ///
-/// The three layers share one store (in Postgres, one table). Each gives its scopes its own
-/// prefix, so that a key of one service can never collide with a key of another.
-fn app<St: Store>(config: &Config, db: Db, store: St) -> Router {
+/// The three layers keep their keys in one place (in Postgres, one table); in Postgres the
+/// provider's layer reaches it through the provider's own pool (`provider_store`). Each layer
+/// gives its scopes its own prefix, so that a key of one service can never collide with a
+/// key of another.
+fn app<M: Mode>(
+    config: &Config,
+    storage: &Storage,
+    payments_store: M,
+    provider_store: M,
+) -> Router {
     // The settings from the environment, common to the three layers.
-    let layer = || {
+    let layer = |store: &M| {
         config.idempotency.then(|| {
             IdempotencyLayer::new(store.clone())
                 .with_ttl(config.ttl)
@@ -331,13 +352,14 @@ fn app<St: Store>(config: &Config, db: Db, store: St) -> Router {
             "/provider/charges",
             post(provider_charge).get(provider_charge_count),
         ),
-        layer().map(|l| l.with_scope(|parts| Some(format!("provider:{}", tenant_of(parts))))),
+        layer(&provider_store)
+            .map(|l| l.with_scope(|parts| Some(format!("provider:{}", tenant_of(parts))))),
     )
     // `route_layer`s wrap the ones added before them: authentication runs first, so the
     // scope function sees the authenticated tenant.
     .route_layer(from_fn(authenticate))
     .with_state(ProviderState {
-        db: db.clone(),
+        db: storage.provider.clone(),
         charge_delay: config.charge_delay,
     });
 
@@ -346,7 +368,7 @@ fn app<St: Store>(config: &Config, db: Db, store: St) -> Router {
         Router::new()
             .route("/payments", post(create_payment))
             .route("/orders/{order_id}", patch(update_order).get(get_order)),
-        layer().map(|l| {
+        layer(&payments_store).map(|l| {
             l.with_scope(|parts| match tenant_of(parts) {
                 "" => None, // the anonymous tenant: the shared scope
                 tenant => Some(format!("tenant:{tenant}")),
@@ -355,7 +377,7 @@ fn app<St: Store>(config: &Config, db: Db, store: St) -> Router {
     )
     .route_layer(from_fn(authenticate))
     .with_state(AppState {
-        db: db.clone(),
+        db: storage.payments.clone(),
         provider: provider.clone(),
     });
 
@@ -367,12 +389,12 @@ fn app<St: Store>(config: &Config, db: Db, store: St) -> Router {
             "/webhooks/provider",
             post(receive_webhook).get(webhooks_processed),
         ),
-        layer().map(|l| {
+        layer(&payments_store).map(|l| {
             l.with_header(HeaderName::from_static("webhook-id"))
                 .with_scope(|_| Some("webhooks:provider".to_owned()))
         }),
     )
-    .with_state(db);
+    .with_state(storage.payments.clone());
 
     Router::new()
         .merge(payments)
@@ -384,10 +406,10 @@ fn app<St: Store>(config: &Config, db: Db, store: St) -> Router {
 
 /// Puts `layer` (if any) around the routes of `router`. `route_layer`, not `layer`: unknown
 /// paths stay `404` instead of going through the layer (which would demand a key).
-fn protect<S, St>(router: Router<S>, layer: Option<IdempotencyLayer<St>>) -> Router<S>
+fn protect<S, M>(router: Router<S>, layer: Option<IdempotencyLayer<M>>) -> Router<S>
 where
     S: Clone + Send + Sync + 'static,
-    St: Store,
+    M: Mode,
 {
     match layer {
         Some(layer) => router.route_layer(layer),
@@ -475,17 +497,20 @@ struct Order {
 
 /// `POST /payments`: charge at the provider, then record the payment.
 ///
-/// The layer runs this once per (tenant, key) and replays its answer to retries. The two
-/// steps are safe to repeat on their own too, which matters when the process dies between
-/// them (the layer's lease then runs out and a retry runs this again):
+/// The layer runs this once per (tenant, key) and replays its answer to retries. In Postgres
+/// the payment row is written through the layer's transaction ([`IdempotentTx`]), so it
+/// commits with the key: when the process dies before the commit, neither is left behind and
+/// the client's retry runs this again, at once. The one step that a rollback cannot undo is
+/// the charge: the provider gets a key derived from the client's, so it answers the repeated
+/// charge with the charge it already made.
 ///
-/// 1. the provider gets a key derived from the client's, so it answers a repeated charge
-///    with the charge it already made;
-/// 2. recording is unique per (tenant, key, charge), so it finds the row it wrote before.
+/// Without the layer (`IDEMPOTENCY=off`) a payment has no key and is simply new each time;
+/// its row is written in a transaction of its own.
 async fn create_payment(
     State(state): State<AppState>,
     Extension(tenant): Extension<Tenant>,
     key: Option<Extension<IdempotencyKey>>,
+    tx: Option<Extension<IdempotentTx>>,
     request: Request,
 ) -> Result<(StatusCode, Json<Payment>), ApiError> {
     let authorization = request.headers().get(AUTHORIZATION).cloned();
@@ -495,8 +520,6 @@ async fn create_payment(
             "amount_cents must be a positive number of cents",
         ));
     }
-    // With the layer, every request here has a key. Without it (`IDEMPOTENCY=off`), a
-    // payment has none and is simply new each time.
     let key = key.map(|Extension(key)| key);
 
     // `<key>:charge`; always a valid key, even when the client's is 255 characters long.
@@ -510,8 +533,8 @@ async fn create_payment(
     let charge =
         charge_at_provider(&state.provider, authorization, charge_key, new.amount_cents).await?;
 
-    let payment = state
-        .db
+    let mut writer = state.db.writer(tx).await?;
+    let payment = writer
         .record_payment(
             &tenant.0,
             key.as_ref().map(IdempotencyKey::as_str),
@@ -520,6 +543,7 @@ async fn create_payment(
             &charge.charge_id,
         )
         .await?;
+    writer.commit().await?;
     Ok((StatusCode::CREATED, Json(payment)))
 }
 
@@ -563,18 +587,21 @@ async fn charge_at_provider(
         .map_err(|e| ApiError::bad_gateway(format!("unexpected answer from the provider: {e}")))
 }
 
-/// `PATCH /orders/{order_id}`: sets the shipping address, creating the order if needed.
+/// `PATCH /orders/{order_id}`: sets the shipping address, creating the order if needed. In
+/// Postgres the new address commits with the key.
 async fn update_order(
     State(state): State<AppState>,
     Extension(tenant): Extension<Tenant>,
     Path(order_id): Path<i64>,
+    tx: Option<Extension<IdempotentTx>>,
     request: Request,
 ) -> Result<Json<Order>, ApiError> {
     let update: OrderUpdate = read_json(request).await?;
-    let order = state
-        .db
+    let mut writer = state.db.writer(tx).await?;
+    let order = writer
         .set_shipping_address(&tenant.0, order_id, &update.shipping_address)
         .await?;
+    writer.commit().await?;
     Ok(Json(order))
 }
 
@@ -603,10 +630,13 @@ struct Charge {
 }
 
 /// `POST /provider/charges`: makes a charge. Slow on purpose with `CHARGE_DELAY_MS`, to show
-/// what a retry sees while the first attempt still runs (`409` and `Retry-After`).
+/// what a retry sees while the first attempt still runs (`409` and `Retry-After`). In
+/// Postgres the charge row commits with the provider's key (`<key>:charge`), in the
+/// provider's own transaction.
 async fn provider_charge(
     State(provider): State<ProviderState>,
     Extension(tenant): Extension<Tenant>,
+    tx: Option<Extension<IdempotentTx>>,
     request: Request,
 ) -> Result<(StatusCode, Json<Charge>), ApiError> {
     let new: NewCharge = read_json(request).await?;
@@ -618,10 +648,9 @@ async fn provider_charge(
     if !provider.charge_delay.is_zero() {
         tokio::time::sleep(provider.charge_delay).await;
     }
-    let charge = provider
-        .db
-        .create_charge(&tenant.0, new.amount_cents)
-        .await?;
+    let mut writer = provider.db.writer(tx).await?;
+    let charge = writer.create_charge(&tenant.0, new.amount_cents).await?;
+    writer.commit().await?;
     Ok((StatusCode::CREATED, Json(charge)))
 }
 
@@ -639,20 +668,25 @@ async fn provider_charge_count(
 
 /// `POST /webhooks/provider`: applies an event (any JSON) once per `webhook-id`.
 ///
-/// Recording is unique per event id as well: an event id names one event forever, so even a
-/// redelivery after the layer forgot the key (after the TTL) is not applied twice.
+/// In Postgres the event row commits with the key. Recording is unique per event id as well:
+/// an event id names one event forever, so even a redelivery after the layer forgot the key
+/// (after the TTL) is not applied twice.
 async fn receive_webhook(
     State(db): State<Db>,
     event_id: Option<Extension<IdempotencyKey>>,
+    tx: Option<Extension<IdempotentTx>>,
     request: Request,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let event: serde_json::Value = read_json(request).await?;
     let event_id = event_id.map(|Extension(id)| id);
-    db.record_webhook(
-        event_id.as_ref().map(IdempotencyKey::as_str),
-        &event.to_string(),
-    )
-    .await?;
+    let mut writer = db.writer(tx).await?;
+    writer
+        .record_webhook(
+            event_id.as_ref().map(IdempotencyKey::as_str),
+            &event.to_string(),
+        )
+        .await?;
+    writer.commit().await?;
     Ok(Json(serde_json::json!({ "received": true })))
 }
 
@@ -745,7 +779,87 @@ impl IntoResponse for ApiError {
 // Storage of the example's own data
 // ---------------------------------------------------------------------------------------------
 
-/// Where the example keeps payments, orders, provider charges and webhook events.
+/// The data of the two services: the payments service (payments, orders, webhook events) and
+/// the provider (its charges).
+struct Storage {
+    payments: Db,
+    provider: Db,
+}
+
+/// Connections per pool. A keyed request holds one connection of its service's pool (its
+/// transaction) for as long as its handler runs, so this is how many idempotent requests
+/// each service runs at once; more wait for a connection, up to [`ACQUIRE_TIMEOUT`]. Two
+/// pools: up to 64 connections per instance, within Postgres's default `max_connections`
+/// (100).
+const POOL_SIZE: u32 = 32;
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serialises the `CREATE TABLE`s of instances that start together. (The bytes of "expaymnt".)
+const SCHEMA_LOCK: i64 = 0x6578_7061_796d_6e74;
+
+impl Storage {
+    /// Everything in this process; the two services share it.
+    fn memory() -> Self {
+        let db = Db::Memory(Arc::default());
+        Self {
+            payments: db.clone(),
+            provider: db,
+        }
+    }
+
+    /// Connects to Postgres and creates the example's tables.
+    ///
+    /// Each service gets a pool of its own, as two real services would. A payment in flight
+    /// holds a connection of the payments pool (its transaction) while it waits for the
+    /// provider, which needs a connection for its own transaction: with one shared pool,
+    /// [`POOL_SIZE`] concurrent payments could hold every connection and wait for the
+    /// provider until the acquire timeout failed them all. For the same reason no handler
+    /// takes a second connection from its pool while it holds its transaction.
+    async fn postgres(url: &str) -> Result<Self, BoxError> {
+        let payments = connect(url).await?;
+        let mut tx = payments.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(SCHEMA_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::raw_sql(SCHEMA)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| format!("cannot create the example's tables: {e}"))?;
+        tx.commit().await?;
+        let provider = connect(url).await?;
+        Ok(Self {
+            payments: Db::Postgres(payments),
+            provider: Db::Postgres(provider),
+        })
+    }
+
+    /// The pools of the payments service and of the provider, in Postgres.
+    fn pools(&self) -> Option<(&PgPool, &PgPool)> {
+        match (&self.payments, &self.provider) {
+            (Db::Postgres(payments), Db::Postgres(provider)) => Some((payments, provider)),
+            _ => None,
+        }
+    }
+
+    async fn close(&self) {
+        if let Some((payments, provider)) = self.pools() {
+            tokio::join!(payments.close(), provider.close());
+        }
+    }
+}
+
+async fn connect(url: &str) -> Result<PgPool, BoxError> {
+    let pool = PgPoolOptions::new()
+        .max_connections(POOL_SIZE)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect(url)
+        .await
+        .map_err(|e| format!("cannot connect to DATABASE_URL: {e}"))?;
+    Ok(pool)
+}
+
+/// Where one service keeps its data.
 #[derive(Clone)]
 enum Db {
     /// `DATABASE_URL` unset: in this process, gone when it exits.
@@ -761,8 +875,6 @@ struct MemoryDb {
     charges: i64,
     /// Payments recorded (the last `pay_<n>`).
     payments: i64,
-    /// Payments made with a key, by (tenant, key, charge id): the twin of the UNIQUE constraint.
-    payments_by_key: HashMap<(String, String, String), Payment>,
     /// Orders by (tenant, order id).
     orders: HashMap<(String, i64), MemoryOrder>,
     /// Webhook event ids applied.
@@ -778,6 +890,27 @@ struct MemoryOrder {
     shipping_address: Option<String>,
 }
 
+impl MemoryDb {
+    /// An order of a tenant; empty when never seen.
+    fn order(&self, tenant: &str, order_id: i64) -> Order {
+        let order = self.orders.get(&(tenant.to_owned(), order_id));
+        Order {
+            order_id,
+            total_cents: order.map_or(0, |o| o.total_cents),
+            payments: order.map_or(0, |o| o.payments),
+            shipping_address: order.and_then(|o| o.shipping_address.clone()),
+        }
+    }
+}
+
+/// Runs `f` on the in-memory data. Never held across an `.await`.
+fn with_memory<T>(memory: &Mutex<MemoryDb>, f: impl FnOnce(&mut MemoryDb) -> T) -> T {
+    // A panic while holding the lock cannot leave the data half-updated in a way that
+    // matters for a demo; keep serving.
+    let mut guard = memory.lock().unwrap_or_else(PoisonError::into_inner);
+    f(&mut guard)
+}
+
 /// The example's tables. `IF NOT EXISTS`: created at the first start, kept afterwards.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS example_provider_charges (
@@ -790,14 +923,13 @@ CREATE TABLE IF NOT EXISTS example_provider_charges (
 CREATE TABLE IF NOT EXISTS example_payments (
     id              bigserial   PRIMARY KEY,
     tenant          text        NOT NULL,
-    -- NULL without the layer (IDEMPOTENCY=off); NULLs never conflict.
+    -- The key of the request that made the payment (committed with it); NULL without the
+    -- layer (IDEMPOTENCY=off).
     idempotency_key text,
     order_id        bigint      NOT NULL,
     amount_cents    bigint      NOT NULL,
     charge_id       text        NOT NULL,
-    created_at      timestamptz NOT NULL DEFAULT now(),
-    -- Recording a payment twice (a retry after a crash) finds the first row.
-    UNIQUE (tenant, idempotency_key, charge_id)
+    created_at      timestamptz NOT NULL DEFAULT now()
 );
 
 CREATE INDEX IF NOT EXISTS example_payments_order ON example_payments (tenant, order_id);
@@ -819,77 +951,49 @@ CREATE TABLE IF NOT EXISTS example_webhook_events (
 );
 ";
 
-/// Serialises the `CREATE TABLE`s of instances that start together. (The bytes of "expaymnt".)
-const SCHEMA_LOCK: i64 = 0x6578_7061_796d_6e74;
+/// An order with its payments, read by `executor`: the pool, or a request's transaction
+/// (which sees the request's own writes).
+async fn select_order<'c>(
+    executor: impl PgExecutor<'c>,
+    tenant: &str,
+    order_id: i64,
+) -> Result<Order, sqlx::Error> {
+    let (total_cents, payments, shipping_address): (i64, i64, Option<String>) = sqlx::query_as(
+        "SELECT COALESCE(SUM(p.amount_cents), 0)::bigint,
+                COUNT(p.id),
+                (SELECT o.shipping_address FROM example_orders o
+                  WHERE o.tenant = $1 AND o.order_id = $2)
+           FROM example_payments p
+          WHERE p.tenant = $1 AND p.order_id = $2",
+    )
+    .bind(tenant)
+    .bind(order_id)
+    .fetch_one(executor)
+    .await?;
+    Ok(Order {
+        order_id,
+        total_cents,
+        payments,
+        shipping_address,
+    })
+}
 
 impl Db {
-    fn memory() -> Self {
-        Self::Memory(Arc::default())
-    }
-
-    /// Connects to Postgres and creates the example's tables.
-    async fn postgres(url: &str) -> Result<Self, BoxError> {
-        let pool = PgPoolOptions::new()
-            .max_connections(16)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(url)
-            .await
-            .map_err(|e| format!("cannot connect to DATABASE_URL: {e}"))?;
-        let mut tx = pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(SCHEMA_LOCK)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::raw_sql(SCHEMA)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| format!("cannot create the example's tables: {e}"))?;
-        tx.commit().await?;
-        Ok(Self::Postgres(pool))
-    }
-
-    async fn close(&self) {
-        if let Self::Postgres(pool) = self {
-            pool.close().await;
-        }
-    }
-
-    /// Runs `f` on the in-memory data. Never held across an `.await`.
-    fn with_memory<T>(memory: &Mutex<MemoryDb>, f: impl FnOnce(&mut MemoryDb) -> T) -> T {
-        // A panic while holding the lock cannot leave the data half-updated in a way that
-        // matters for a demo; keep serving.
-        let mut guard = memory.lock().unwrap_or_else(PoisonError::into_inner);
-        f(&mut guard)
-    }
-
-    /// The provider makes a charge.
-    async fn create_charge(&self, tenant: &str, amount_cents: i64) -> Result<Charge, sqlx::Error> {
-        let id: i64 = match self {
-            Self::Memory(memory) => Self::with_memory(memory, |m| {
-                m.charges += 1;
-                m.charges
-            }),
-            Self::Postgres(pool) => {
-                sqlx::query_scalar(
-                    "INSERT INTO example_provider_charges (tenant, amount_cents)
-                     VALUES ($1, $2) RETURNING id",
-                )
-                .bind(tenant)
-                .bind(amount_cents)
-                .fetch_one(pool)
-                .await?
-            }
-        };
-        Ok(Charge {
-            charge_id: format!("ch_{id}"),
-            amount_cents,
+    /// Where a request's writes go. In Postgres: the layer's transaction when there is one,
+    /// so that the writes commit with the key; without the layer (`IDEMPOTENCY=off`), a
+    /// transaction of the request's own.
+    async fn writer(&self, layer_tx: Option<Extension<IdempotentTx>>) -> Result<Writer, ApiError> {
+        Ok(match (self, layer_tx) {
+            (Self::Memory(memory), _) => Writer::Memory(memory.clone()),
+            (Self::Postgres(_), Some(Extension(tx))) => Writer::Postgres(PgTx::Layer(tx)),
+            (Self::Postgres(pool), None) => Writer::Postgres(PgTx::Own(pool.begin().await?)),
         })
     }
 
     /// The number of charges the provider made.
     async fn charge_count(&self) -> Result<i64, sqlx::Error> {
         match self {
-            Self::Memory(memory) => Ok(Self::with_memory(memory, |m| m.charges)),
+            Self::Memory(memory) => Ok(with_memory(memory, |m| m.charges)),
             Self::Postgres(pool) => {
                 sqlx::query_scalar("SELECT count(*) FROM example_provider_charges")
                     .fetch_one(pool)
@@ -898,176 +1002,18 @@ impl Db {
         }
     }
 
-    /// Records a payment, or returns the one recorded before for the same tenant, key and
-    /// charge (`key` is `None` without the layer: then every payment is new).
-    async fn record_payment(
-        &self,
-        tenant: &str,
-        key: Option<&str>,
-        order_id: i64,
-        amount_cents: i64,
-        charge_id: &str,
-    ) -> Result<Payment, sqlx::Error> {
-        match self {
-            Self::Memory(memory) => Ok(Self::with_memory(memory, |m| {
-                let unique = key.map(|k| (tenant.to_owned(), k.to_owned(), charge_id.to_owned()));
-                if let Some(existing) = unique.as_ref().and_then(|u| m.payments_by_key.get(u)) {
-                    return existing.clone();
-                }
-                m.payments += 1;
-                let payment = Payment {
-                    payment_id: format!("pay_{}", m.payments),
-                    order_id,
-                    amount_cents,
-                    charge_id: charge_id.to_owned(),
-                };
-                let order = m.orders.entry((tenant.to_owned(), order_id)).or_default();
-                order.total_cents = order.total_cents.saturating_add(amount_cents);
-                order.payments += 1;
-                if let Some(unique) = unique {
-                    m.payments_by_key.insert(unique, payment.clone());
-                }
-                payment
-            })),
-            Self::Postgres(pool) => {
-                type Row = (i64, i64, i64, String);
-                let inserted: Option<Row> = sqlx::query_as(
-                    "INSERT INTO example_payments
-                         (tenant, idempotency_key, order_id, amount_cents, charge_id)
-                     VALUES ($1, $2, $3, $4, $5)
-                     ON CONFLICT (tenant, idempotency_key, charge_id) DO NOTHING
-                     RETURNING id, order_id, amount_cents, charge_id",
-                )
-                .bind(tenant)
-                .bind(key)
-                .bind(order_id)
-                .bind(amount_cents)
-                .bind(charge_id)
-                .fetch_optional(pool)
-                .await?;
-                let (id, order_id, amount_cents, charge_id) = match inserted {
-                    Some(row) => row,
-                    // Recorded before: a retry after a crash. Answer with that payment.
-                    None => {
-                        sqlx::query_as(
-                            "SELECT id, order_id, amount_cents, charge_id FROM example_payments
-                             WHERE tenant = $1 AND idempotency_key = $2 AND charge_id = $3",
-                        )
-                        .bind(tenant)
-                        .bind(key)
-                        .bind(charge_id)
-                        .fetch_one(pool)
-                        .await?
-                    }
-                };
-                Ok(Payment {
-                    payment_id: format!("pay_{id}"),
-                    order_id,
-                    amount_cents,
-                    charge_id,
-                })
-            }
-        }
-    }
-
     /// An order of a tenant; empty when never seen.
     async fn order(&self, tenant: &str, order_id: i64) -> Result<Order, sqlx::Error> {
         match self {
-            Self::Memory(memory) => Ok(Self::with_memory(memory, |m| {
-                let order = m.orders.get(&(tenant.to_owned(), order_id));
-                Order {
-                    order_id,
-                    total_cents: order.map_or(0, |o| o.total_cents),
-                    payments: order.map_or(0, |o| o.payments),
-                    shipping_address: order.and_then(|o| o.shipping_address.clone()),
-                }
-            })),
-            Self::Postgres(pool) => {
-                let (total_cents, payments, shipping_address): (i64, i64, Option<String>) =
-                    sqlx::query_as(
-                        "SELECT COALESCE(SUM(p.amount_cents), 0)::bigint,
-                                COUNT(p.id),
-                                (SELECT o.shipping_address FROM example_orders o
-                                  WHERE o.tenant = $1 AND o.order_id = $2)
-                           FROM example_payments p
-                          WHERE p.tenant = $1 AND p.order_id = $2",
-                    )
-                    .bind(tenant)
-                    .bind(order_id)
-                    .fetch_one(pool)
-                    .await?;
-                Ok(Order {
-                    order_id,
-                    total_cents,
-                    payments,
-                    shipping_address,
-                })
-            }
+            Self::Memory(memory) => Ok(with_memory(memory, |m| m.order(tenant, order_id))),
+            Self::Postgres(pool) => select_order(pool, tenant, order_id).await,
         }
-    }
-
-    /// Sets an order's shipping address, creating the order if needed.
-    async fn set_shipping_address(
-        &self,
-        tenant: &str,
-        order_id: i64,
-        address: &str,
-    ) -> Result<Order, sqlx::Error> {
-        match self {
-            Self::Memory(memory) => Self::with_memory(memory, |m| {
-                let order = m.orders.entry((tenant.to_owned(), order_id)).or_default();
-                order.shipping_address = Some(address.to_owned());
-            }),
-            Self::Postgres(pool) => {
-                sqlx::query(
-                    "INSERT INTO example_orders (tenant, order_id, shipping_address)
-                     VALUES ($1, $2, $3)
-                     ON CONFLICT (tenant, order_id)
-                     DO UPDATE SET shipping_address = EXCLUDED.shipping_address,
-                                   updated_at = now()",
-                )
-                .bind(tenant)
-                .bind(order_id)
-                .bind(address)
-                .execute(pool)
-                .await?;
-            }
-        }
-        self.order(tenant, order_id).await
-    }
-
-    /// Applies a webhook event once per event id (`None`: always).
-    async fn record_webhook(
-        &self,
-        event_id: Option<&str>,
-        payload: &str,
-    ) -> Result<(), sqlx::Error> {
-        match self {
-            Self::Memory(memory) => Self::with_memory(memory, |m| match event_id {
-                Some(id) => {
-                    m.webhook_ids.insert(id.to_owned());
-                }
-                None => m.webhooks_without_id += 1,
-            }),
-            Self::Postgres(pool) => {
-                sqlx::query(
-                    "INSERT INTO example_webhook_events (event_id, payload)
-                     VALUES ($1, $2::jsonb)
-                     ON CONFLICT (event_id) DO NOTHING",
-                )
-                .bind(event_id)
-                .bind(payload)
-                .execute(pool)
-                .await?;
-            }
-        }
-        Ok(())
     }
 
     /// The number of webhook events applied.
     async fn webhooks_processed(&self) -> Result<i64, sqlx::Error> {
         match self {
-            Self::Memory(memory) => Ok(Self::with_memory(memory, |m| {
+            Self::Memory(memory) => Ok(with_memory(memory, |m| {
                 // A count of events held in memory always fits an i64.
                 i64::try_from(m.webhook_ids.len())
                     .unwrap_or(i64::MAX)
@@ -1079,5 +1025,201 @@ impl Db {
                     .await
             }
         }
+    }
+}
+
+/// Where one request's writes go ([`Db::writer`]). Nothing needs deduplicating here: in
+/// Postgres the writes commit with the request's key (a retry replays, or finds that neither
+/// was committed); in memory the data and the keys live and die together, and a handler's
+/// write is its last step that can fail.
+enum Writer {
+    Memory(Arc<Mutex<MemoryDb>>),
+    Postgres(PgTx),
+}
+
+/// A request's Postgres transaction.
+enum PgTx {
+    /// The layer's: the layer commits it once it stored the answer (a handler never does),
+    /// or rolls it back on a `5xx`, an error, a panic or a dropped request.
+    Layer(IdempotentTx),
+    /// The request's own (`IDEMPOTENCY=off`), committed by [`Writer::commit`].
+    Own(Transaction<'static, Postgres>),
+}
+
+impl PgTx {
+    /// The transaction's connection, for a statement or a few.
+    async fn conn(&mut self) -> Result<Conn<'_>, ApiError> {
+        match self {
+            Self::Layer(tx) => tx.conn().await.map(Conn::Layer).map_err(|e| {
+                // Only a handler that outlived its request could see this.
+                tracing::error!(error = &e as &dyn std::error::Error, "no transaction");
+                ApiError::internal("the request's transaction has ended")
+            }),
+            Self::Own(tx) => Ok(Conn::Own(tx)),
+        }
+    }
+}
+
+/// A connection inside a [`PgTx`]; `&mut *conn` is a sqlx executor.
+enum Conn<'a> {
+    Layer(TxConn<'a>),
+    Own(&'a mut PgConnection),
+}
+
+impl Deref for Conn<'_> {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        match self {
+            Self::Layer(conn) => conn,
+            Self::Own(conn) => conn,
+        }
+    }
+}
+
+impl DerefMut for Conn<'_> {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        match self {
+            Self::Layer(conn) => conn,
+            Self::Own(conn) => conn,
+        }
+    }
+}
+
+impl Writer {
+    /// The provider makes a charge.
+    async fn create_charge(&mut self, tenant: &str, amount_cents: i64) -> Result<Charge, ApiError> {
+        let id: i64 = match self {
+            Self::Memory(memory) => with_memory(memory, |m| {
+                m.charges += 1;
+                m.charges
+            }),
+            Self::Postgres(tx) => {
+                sqlx::query_scalar(
+                    "INSERT INTO example_provider_charges (tenant, amount_cents)
+                     VALUES ($1, $2) RETURNING id",
+                )
+                .bind(tenant)
+                .bind(amount_cents)
+                .fetch_one(&mut *tx.conn().await?)
+                .await?
+            }
+        };
+        Ok(Charge {
+            charge_id: format!("ch_{id}"),
+            amount_cents,
+        })
+    }
+
+    /// Records a payment made with `key` (`None` without the layer).
+    async fn record_payment(
+        &mut self,
+        tenant: &str,
+        key: Option<&str>,
+        order_id: i64,
+        amount_cents: i64,
+        charge_id: &str,
+    ) -> Result<Payment, ApiError> {
+        let id: i64 = match self {
+            Self::Memory(memory) => with_memory(memory, |m| {
+                m.payments += 1;
+                let order = m.orders.entry((tenant.to_owned(), order_id)).or_default();
+                order.total_cents = order.total_cents.saturating_add(amount_cents);
+                order.payments += 1;
+                m.payments
+            }),
+            Self::Postgres(tx) => {
+                sqlx::query_scalar(
+                    "INSERT INTO example_payments
+                         (tenant, idempotency_key, order_id, amount_cents, charge_id)
+                     VALUES ($1, $2, $3, $4, $5)
+                     RETURNING id",
+                )
+                .bind(tenant)
+                .bind(key)
+                .bind(order_id)
+                .bind(amount_cents)
+                .bind(charge_id)
+                .fetch_one(&mut *tx.conn().await?)
+                .await?
+            }
+        };
+        Ok(Payment {
+            payment_id: format!("pay_{id}"),
+            order_id,
+            amount_cents,
+            charge_id: charge_id.to_owned(),
+        })
+    }
+
+    /// Sets an order's shipping address, creating the order if needed, and reads it back.
+    async fn set_shipping_address(
+        &mut self,
+        tenant: &str,
+        order_id: i64,
+        address: &str,
+    ) -> Result<Order, ApiError> {
+        match self {
+            Self::Memory(memory) => Ok(with_memory(memory, |m| {
+                let order = m.orders.entry((tenant.to_owned(), order_id)).or_default();
+                order.shipping_address = Some(address.to_owned());
+                m.order(tenant, order_id)
+            })),
+            Self::Postgres(tx) => {
+                let mut conn = tx.conn().await?;
+                sqlx::query(
+                    "INSERT INTO example_orders (tenant, order_id, shipping_address)
+                     VALUES ($1, $2, $3)
+                     ON CONFLICT (tenant, order_id)
+                     DO UPDATE SET shipping_address = EXCLUDED.shipping_address,
+                                   updated_at = now()",
+                )
+                .bind(tenant)
+                .bind(order_id)
+                .bind(address)
+                .execute(&mut *conn)
+                .await?;
+                // Through the transaction: it sees the new address, and it takes no second
+                // connection from the pool.
+                Ok(select_order(&mut *conn, tenant, order_id).await?)
+            }
+        }
+    }
+
+    /// Applies a webhook event once per event id (`None`: always).
+    async fn record_webhook(
+        &mut self,
+        event_id: Option<&str>,
+        payload: &str,
+    ) -> Result<(), ApiError> {
+        match self {
+            Self::Memory(memory) => with_memory(memory, |m| match event_id {
+                Some(id) => {
+                    m.webhook_ids.insert(id.to_owned());
+                }
+                None => m.webhooks_without_id += 1,
+            }),
+            Self::Postgres(tx) => {
+                sqlx::query(
+                    "INSERT INTO example_webhook_events (event_id, payload)
+                     VALUES ($1, $2::jsonb)
+                     ON CONFLICT (event_id) DO NOTHING",
+                )
+                .bind(event_id)
+                .bind(payload)
+                .execute(&mut *tx.conn().await?)
+                .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Commits a transaction of the request's own. The layer's transaction is left to the
+    /// layer, which commits it after it stored the answer.
+    async fn commit(self) -> Result<(), ApiError> {
+        if let Self::Postgres(PgTx::Own(tx)) = self {
+            tx.commit().await?;
+        }
+        Ok(())
     }
 }

@@ -5,8 +5,11 @@
 //! run `cargo build --example payments` once, so that `cargo test --test payments_e2e` never
 //! tests a stale binary (a no-op when it is up to date).
 //!
-//! `postgres_keeps_keys_and_data_across_a_crash` needs a Postgres server: `DATABASE_URL`, or
-//! `postgres://postgres@127.0.0.1:5432/postgres`. It creates (and drops) a fresh database.
+//! The `postgres_*` tests need a Postgres server: `DATABASE_URL`, or
+//! `postgres://postgres@127.0.0.1:5432/postgres`. Each creates (and drops) a fresh database,
+//! runs the example on it (transactional mode) and looks into its tables: a row and its key
+//! are written by one transaction (the same `xmin`), and a process killed mid-request leaves
+//! no key, lock or row behind.
 #![cfg(feature = "postgres")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -26,6 +29,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
+use sqlx::PgPool;
 
 /// How long the example may take to print its address (a cold machine, a busy CI runner).
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
@@ -47,6 +51,8 @@ const EXAMPLE_VARS: &[&str] = &[
     "MAX_BODY_BYTES",
     "IDEMPOTENCY",
 ];
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 const JSON: &str = "application/json";
 const PROBLEM_JSON: &str = "application/problem+json";
@@ -393,6 +399,21 @@ impl Api {
         headers: &[(&str, &str)],
         body: impl Into<Bytes>,
     ) -> Reply {
+        self.try_send(method.clone(), path, headers, body)
+            .await
+            .unwrap_or_else(|e| panic!("{method} {path} failed: {e}"))
+    }
+
+    /// Like [`send`](Api::send), but a failed exchange (the connection refused or closed
+    /// before the answer) is an error, not a panic. Taking longer than [`REQUEST_TIMEOUT`]
+    /// still panics.
+    async fn try_send(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Result<Reply, BoxError> {
         let mut request = Request::builder()
             .method(method.clone())
             .uri(format!("{}{path}", self.base));
@@ -408,17 +429,15 @@ impl Api {
             let response = self.client.request(request).await?;
             let (parts, body) = response.into_parts();
             let body = body.collect().await?.to_bytes();
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Reply {
+            Ok::<_, BoxError>(Reply {
                 status: parts.status,
                 headers: parts.headers,
                 body,
             })
         };
-        match tokio::time::timeout(REQUEST_TIMEOUT, exchange).await {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(e)) => panic!("{method} {path} failed: {e}"),
-            Err(_) => panic!("{method} {path} took longer than {REQUEST_TIMEOUT:?}"),
-        }
+        tokio::time::timeout(REQUEST_TIMEOUT, exchange)
+            .await
+            .unwrap_or_else(|_| panic!("{method} {path} took longer than {REQUEST_TIMEOUT:?}"))
     }
 
     async fn post(&self, path: &str, headers: &[(&str, &str)], body: &Value) -> Reply {
@@ -439,6 +458,18 @@ impl Api {
     async fn pay(&self, headers: &[(&str, &str)], order_id: i64, amount_cents: i64) -> Reply {
         let body = json!({ "order_id": order_id, "amount_cents": amount_cents });
         self.post("/payments", headers, &body).await
+    }
+
+    /// `POST /payments`; a failed exchange is an error.
+    async fn try_pay(
+        &self,
+        headers: &[(&str, &str)],
+        order_id: i64,
+        amount_cents: i64,
+    ) -> Result<Reply, BoxError> {
+        let body = json!({ "order_id": order_id, "amount_cents": amount_cents });
+        self.try_send(Method::POST, "/payments", headers, body.to_string())
+            .await
     }
 
     /// The number of charges the provider made.
@@ -942,7 +973,14 @@ async fn a_redelivered_webhook_is_applied_once() {
 
 #[tokio::test]
 async fn without_the_layer_the_same_routes_work_without_keys() {
-    let server = Server::start(&[("IDEMPOTENCY", "off"), ("MAX_BODY_BYTES", "1024")]);
+    routes_without_the_layer(&[]).await;
+}
+
+/// `IDEMPOTENCY=off` (and `env`): every route works without keys, and every request is new.
+async fn routes_without_the_layer(env: &[(&str, &str)]) {
+    let mut env = env.to_vec();
+    env.extend([("IDEMPOTENCY", "off"), ("MAX_BODY_BYTES", "1024")]);
+    let server = Server::start(&env);
     let api = server.api();
     let acme = ("authorization", "Bearer acme");
 
@@ -1139,8 +1177,13 @@ fn fresh_database_name() -> String {
     format!("e2e_{}_{nanos:x}", std::process::id())
 }
 
-#[tokio::test]
-async fn postgres_keeps_keys_and_data_across_a_crash() {
+/// Runs `scenario` with the URL of a database of its own, created for it and dropped after it
+/// (also when it panics).
+async fn with_fresh_database<F, Fut>(scenario: F)
+where
+    F: FnOnce(String) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     let admin_url =
         std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
     let admin = sqlx::postgres::PgPoolOptions::new()
@@ -1163,7 +1206,7 @@ async fn postgres_keeps_keys_and_data_across_a_crash() {
 
     // Run the scenario as a task, so that the database is dropped even when it panics.
     let url = with_database(&admin_url, &name);
-    let outcome = tokio::spawn(crash_and_restart(url)).await;
+    let outcome = tokio::spawn(scenario(url)).await;
 
     let dropped = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
@@ -1177,6 +1220,119 @@ async fn postgres_keeps_keys_and_data_across_a_crash() {
         Err(e) => panic!("the scenario did not finish: {e}"),
     }
     dropped.unwrap_or_else(|e| panic!("DROP DATABASE {name}: {e}"));
+}
+
+/// A pool to look into the example's database from the test.
+async fn inspect(url: &str) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"))
+}
+
+/// The rows of `table`.
+async fn count(db: &PgPool, table: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+        .fetch_one(db)
+        .await
+        .unwrap_or_else(|e| panic!("count {table}: {e}"))
+}
+
+/// The advisory locks held in this database. In transactional mode the layer holds one per
+/// key it has claimed, until its transaction ends.
+async fn advisory_locks(db: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks
+          WHERE locktype = 'advisory' AND granted
+            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .fetch_one(db)
+    .await
+    .unwrap()
+}
+
+/// Polls `advisory_locks` until `done` holds, for at most 20 s.
+async fn wait_for_locks(db: &PgPool, what: &str, done: impl Fn(i64) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let locks = advisory_locks(db).await;
+        if done(locks) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: still {locks} advisory locks"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The transaction that wrote the one row `sql` selects (its `xmin`).
+async fn xmin(db: &PgPool, sql: &'static str, binds: &[&str]) -> String {
+    let mut query = sqlx::query_scalar::<_, String>(sql);
+    for bind in binds {
+        query = query.bind(*bind);
+    }
+    query
+        .fetch_one(db)
+        .await
+        .unwrap_or_else(|e| panic!("{sql} with {binds:?}: {e}"))
+}
+
+const KEY_XMIN: &str =
+    "SELECT xmin::text FROM tower_idempotency_keys WHERE scope = $1 AND key = $2";
+
+/// Asserts that the row `row_sql` selects was written by the transaction that stored the
+/// answer for (`scope`, `key`): the row and the key committed together.
+async fn assert_written_with_key(
+    db: &PgPool,
+    scope: &str,
+    key: &str,
+    row_sql: &'static str,
+    binds: &[&str],
+) -> String {
+    let key_tx = xmin(db, KEY_XMIN, &[scope, key]).await;
+    let row_tx = xmin(db, row_sql, binds).await;
+    assert_eq!(
+        row_tx, key_tx,
+        "`{row_sql}` with {binds:?} was not written by the transaction of the key {scope:?}/{key:?}"
+    );
+    row_tx
+}
+
+/// Asserts that `payment`, made by `tenant` with `key`, committed with that key, and that its
+/// charge committed with the provider's key `<key>:charge`, in the provider's own transaction.
+async fn assert_payment_committed_with_its_keys(
+    db: &PgPool,
+    tenant: &str,
+    key: &str,
+    payment: &Value,
+) {
+    let payment_tx = assert_written_with_key(
+        db,
+        &format!("tenant:{tenant}"),
+        key,
+        "SELECT xmin::text FROM example_payments WHERE tenant = $1 AND idempotency_key = $2",
+        &[tenant, key],
+    )
+    .await;
+    let charge_id = payment["charge_id"].as_str().unwrap();
+    let charge_tx = assert_written_with_key(
+        db,
+        &format!("provider:{tenant}"),
+        &format!("{key}:charge"),
+        "SELECT xmin::text FROM example_provider_charges WHERE 'ch_' || id = $1",
+        &[charge_id],
+    )
+    .await;
+    assert_ne!(payment_tx, charge_tx, "the provider commits on its own");
+}
+
+#[tokio::test]
+async fn postgres_keeps_keys_and_data_across_a_crash() {
+    with_fresh_database(crash_and_restart).await;
 }
 
 /// Pays, crashes the example with SIGKILL, restarts it on the same database, and checks that
@@ -1264,8 +1420,26 @@ async fn crash_and_restart(url: String) {
     let status = server.signal_and_wait("TERM");
     assert!(status.success(), "{status}; stderr:\n{}", server.stderr());
 
-    // The data is in the example's own tables.
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    // The data is in the example's own tables, each row committed with its key.
+    let pool = inspect(&url).await;
+    assert_payment_committed_with_its_keys(&pool, "acme", "pg-payment-1", &payment).await;
+    assert_payment_committed_with_its_keys(&pool, "acme", "pg-payment-2", &second).await;
+    assert_written_with_key(
+        &pool,
+        "tenant:acme",
+        "pg-address",
+        "SELECT xmin::text FROM example_orders WHERE tenant = $1 AND order_id = $2::bigint",
+        &["acme", "21"],
+    )
+    .await;
+    assert_written_with_key(
+        &pool,
+        "webhooks:provider",
+        "msg_pg",
+        "SELECT xmin::text FROM example_webhook_events WHERE event_id = $1",
+        &["msg_pg"],
+    )
+    .await;
     let payments: i64 = sqlx::query_scalar("SELECT count(*) FROM example_payments")
         .fetch_one(&pool)
         .await
@@ -1277,4 +1451,183 @@ async fn crash_and_restart(url: String) {
         .unwrap();
     assert_eq!(charges, 2);
     pool.close().await;
+}
+
+#[tokio::test]
+async fn postgres_without_the_layer_each_request_commits_on_its_own() {
+    with_fresh_database(|url| async move {
+        routes_without_the_layer(&[("DATABASE_URL", &url)]).await;
+        // Committed, and without keys: another connection sees the rows.
+        let db = inspect(&url).await;
+        let keyless: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM example_payments WHERE idempotency_key IS NULL",
+        )
+        .fetch_one(&db)
+        .await
+        .unwrap();
+        assert_eq!(keyless, 2);
+        assert_eq!(count(&db, "example_provider_charges").await, 3);
+        assert_eq!(count(&db, "example_orders").await, 1);
+        assert_eq!(count(&db, "example_webhook_events").await, 1);
+        db.close().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn postgres_a_payment_killed_mid_charge_runs_again_at_once_after_a_restart() {
+    with_fresh_database(killed_mid_charge).await;
+}
+
+/// SIGKILLs the example while the provider sleeps inside the charge, restarts it on the same
+/// database and retries. Transactional mode left nothing behind (no key, no lock, no row), so
+/// the retry runs at once, and the order is charged once.
+async fn killed_mid_charge(url: String) {
+    const KEY: &str = "crash-mid-charge";
+    let headers = [("idempotency-key", KEY), ("authorization", "Bearer acme")];
+    // A lease far longer than the test: a claim that outlived its process (plain mode) would
+    // answer the retry `409` for a minute.
+    let env = [
+        ("DATABASE_URL", url.as_str()),
+        ("CHARGE_DELAY_MS", "1500"),
+        ("IDEMPOTENCY_LEASE_MS", "60000"),
+    ];
+    let db = inspect(&url).await;
+
+    let mut server = Server::start(&env);
+    let api = server.api();
+    let first = tokio::spawn(async move { api.try_pay(&headers, 31, 2500).await });
+    // Two keys claimed, each the advisory lock of its transaction: the payment's, and the
+    // charge's, which the provider holds while it sleeps (1.5 s) before it writes the charge.
+    wait_for_locks(&db, "the payment reaches the provider", |locks| locks >= 2).await;
+    let status = server.crash();
+    assert!(!status.success(), "SIGKILL: {status}");
+    let lost = first.await.unwrap();
+    assert!(lost.is_err(), "the killed attempt got an answer: {lost:?}");
+    drop(server);
+
+    // Postgres saw the connections drop: it rolled both transactions back and released their
+    // locks. Nothing of the attempt is left.
+    wait_for_locks(&db, "the dead process's locks are released", |locks| {
+        locks == 0
+    })
+    .await;
+    for table in [
+        "tower_idempotency_keys",
+        "example_provider_charges",
+        "example_payments",
+    ] {
+        assert_eq!(count(&db, table).await, 0, "{table}");
+    }
+
+    let mut server = Server::start(&env);
+    let api = server.api();
+    let started = Instant::now();
+    let retry = pay_when_reachable(&api, &headers, 31, 2500).await;
+    let took = started.elapsed();
+    let payment = expect_new_payment(&retry, 31, 2500);
+    assert!(
+        took < Duration::from_secs(20),
+        "the retry took {took:?}: it waited, for a lease?"
+    );
+    assert_eq!(api.charges().await, 1, "charged once");
+    assert_eq!(
+        api.order(Some("acme"), 31).await,
+        order_json(31, 2500, 1, None)
+    );
+    let again = api.pay(&headers, 31, 2500).await;
+    expect_replay_of(&again, &retry);
+    assert_eq!(api.charges().await, 1);
+
+    assert_payment_committed_with_its_keys(&db, "acme", KEY, &payment).await;
+    let status = server.signal_and_wait("TERM");
+    assert!(status.success(), "{status}; stderr:\n{}", server.stderr());
+    db.close().await;
+}
+
+/// `POST /payments` to a server that has just started: a few quick retries while the
+/// connection fails.
+async fn pay_when_reachable(
+    api: &Api,
+    headers: &[(&str, &str)],
+    order_id: i64,
+    amount_cents: i64,
+) -> Reply {
+    let mut failures = 0;
+    loop {
+        match api.try_pay(headers, order_id, amount_cents).await {
+            Ok(reply) => return reply,
+            Err(e) if failures < 10 => {
+                failures += 1;
+                eprintln!("POST /payments failed ({e}); retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("POST /payments failed {failures} times; last: {e}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_charge_made_before_a_crash_is_not_made_again() {
+    charged_before_the_crash(&[]).await;
+}
+
+#[tokio::test]
+async fn postgres_a_charge_made_before_a_crash_is_not_made_again() {
+    with_fresh_database(|url| async move {
+        let payment = charged_before_the_crash(&[("DATABASE_URL", &url)]).await;
+        let db = inspect(&url).await;
+        assert_payment_committed_with_its_keys(&db, "acme", CHARGED_KEY, &payment).await;
+        db.close().await;
+    })
+    .await;
+}
+
+/// The key of [`charged_before_the_crash`].
+const CHARGED_KEY: &str = "crash-after-charge";
+
+/// A crash right after the provider answered, before the payment committed, is hard to time
+/// from outside; what it leaves behind is easy to make. The provider committed the charge
+/// under the derived key `<key>:charge`, for the tenant, and no payment exists. The client's
+/// retry runs the payment again: the provider must answer with that charge, not make another.
+/// Returns the payment.
+async fn charged_before_the_crash(env: &[(&str, &str)]) -> Value {
+    let acme = ("authorization", "Bearer acme");
+    let server = Server::start(env);
+    let api = server.api();
+
+    let charge_key = format!("{CHARGED_KEY}:charge");
+    let charged = api
+        .post(
+            "/provider/charges",
+            &[("idempotency-key", &charge_key), acme],
+            &json!({ "amount_cents": 1200 }),
+        )
+        .await;
+    let charge = charged.expect_json(StatusCode::CREATED);
+    assert_eq!(api.charges().await, 1);
+    assert_eq!(
+        api.order(Some("acme"), 41).await,
+        order_json(41, 0, 0, None)
+    );
+
+    let retry = api
+        .pay(&[("idempotency-key", CHARGED_KEY), acme], 41, 1200)
+        .await;
+    let payment = expect_new_payment(&retry, 41, 1200);
+    assert_eq!(
+        payment["charge_id"], charge["charge_id"],
+        "the provider answered with the charge it made before"
+    );
+    assert_eq!(api.charges().await, 1, "charged once");
+    assert_eq!(
+        api.order(Some("acme"), 41).await,
+        order_json(41, 1200, 1, None)
+    );
+    let again = api
+        .pay(&[("idempotency-key", CHARGED_KEY), acme], 41, 1200)
+        .await;
+    expect_replay_of(&again, &retry);
+    assert_eq!(api.charges().await, 1);
+    payment
 }
