@@ -1,0 +1,1246 @@
+//! Load harness: an axum server in process, driven over loopback by many keep-alive HTTP/1.1
+//! connections, each scenario against its baseline in the same run.
+//!
+//! ```text
+//! cargo bench --bench load -- [scenario...] [--connections 64] [--seconds 10] [--warmup 2]
+//!                             [--pool 16] [--rounds 1] [--replay-keys 10000]
+//!                             [--server-threads 2] [--client-threads 2] [--side both]
+//! ```
+//!
+//! Without a scenario name, every scenario runs. Each scenario starts a server twice on
+//! `127.0.0.1:0` (in its own multi-thread runtime): once with the route behind the layer and
+//! once with the same route *without* the layer, whose handler does by hand the work the layer
+//! would do (the baseline). A client in a second runtime opens `--connections` keep-alive
+//! connections, sends requests on each back to back for `--warmup` seconds (not counted), then
+//! for `--seconds` seconds, and reports requests per second and the p50/p99 latency of the
+//! requests completed in that window. The ratio is layer ÷ baseline requests per second.
+//! With `--rounds N` the sides run N times each, alternating which goes first, and the
+//! figures are over all rounds.
+//!
+//! Client and server share the machine, so requests per second also move with whatever else
+//! runs. The harness therefore also reports, from Linux's `/proc`, the CPU time per request of
+//! the server's threads (`app`) and of the pool's Postgres backends (`db`, found by their
+//! `application_name`), and how many cores the rest of the machine used meanwhile (`others`):
+//! the cost ratio (baseline CPU ÷ layer CPU per request) does not depend on a neighbour.
+//! `--side layer` or `--side baseline` runs one side alone, to profile it
+//! (`perf record -- target/release/deps/load-… memory-new --side layer`).
+//!
+//! The Postgres scenarios use `DATABASE_URL` (default the local server) and a fresh schema per
+//! scenario, dropped at the end; new-key scenarios empty the table before each side runs, so
+//! both start from the same state. The pool is sqlx's default apart from its size.
+//!
+//! Adding a scenario: write a `build_*` function that returns the two routers and the key
+//! plan ([`Built`]), and add a line to [`SCENARIOS`].
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Row};
+use tokio::net::TcpStream;
+use tokio::runtime::Runtime;
+use tower::ServiceExt;
+use tower_idempotency::fingerprint::fingerprint;
+use tower_idempotency::{
+    Fingerprint, IdempotencyLayer, MemoryStore, PostgresStore, StoredResponse,
+};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The path every scenario serves.
+const PATH: &str = "/orders";
+
+// ---------------------------------------------------------------------------------------
+// Scenarios
+// ---------------------------------------------------------------------------------------
+
+/// A scenario: the layered route and its baseline.
+struct Scenario {
+    name: &'static str,
+    /// What the layer side does (for the report).
+    layer_side: &'static str,
+    /// What the baseline's handler does by hand.
+    baseline: &'static str,
+    /// The issue's target for layer ÷ baseline requests per second.
+    target: f64,
+    build: for<'a> fn(&'a Ctx) -> BoxFuture<'a, Result<Built, BoxError>>,
+}
+
+const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "memory-new",
+        layer_side: "MemoryStore, new key per request",
+        baseline: "fingerprint + insert and complete in a Mutex<HashMap>",
+        target: 0.95,
+        build: |ctx| Box::pin(build_memory_new(ctx)),
+    },
+    Scenario {
+        name: "pg-plain-new",
+        layer_side: "PostgresStore, new key per request",
+        baseline: "fingerprint + INSERT … ON CONFLICT DO NOTHING RETURNING, then UPDATE (by hand)",
+        target: 0.95,
+        build: |ctx| Box::pin(build_pg_plain_new(ctx)),
+    },
+    Scenario {
+        name: "pg-replay",
+        layer_side: "PostgresStore, completed keys requested again",
+        baseline: "fingerprint + one SELECT of the record (by hand)",
+        target: 0.95,
+        build: |ctx| Box::pin(build_pg_replay(ctx)),
+    },
+];
+
+/// What a scenario's build returns.
+struct Built {
+    layer: Router,
+    baseline: Router,
+    keys: KeyPlan,
+    /// The status every answer must have.
+    expect: StatusCode,
+    /// The Postgres schema the scenario works in (emptied between sides for new keys,
+    /// dropped at the end).
+    schema: Option<PgSchema>,
+}
+
+/// Which keys the client sends.
+#[derive(Clone, Copy, Debug)]
+enum KeyPlan {
+    /// A key never sent before, on every request.
+    New,
+    /// One of `count` keys completed before the run (`replay-0` …), picked at random.
+    Replay { count: usize },
+}
+
+/// The layer side's handler (and the work every baseline does besides the idempotency part):
+/// a create endpoint that answers `201` with a small JSON document.
+async fn create(body: Bytes) -> Response {
+    created(body.len())
+}
+
+fn created(len: usize) -> Response {
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/json")],
+        common::created_json(len),
+    )
+        .into_response()
+}
+
+fn key_of(headers: &HeaderMap) -> Option<&str> {
+    headers.get("idempotency-key")?.to_str().ok()
+}
+
+fn problem(status: StatusCode) -> Response {
+    (status, status.canonical_reason().unwrap_or_default()).into_response()
+}
+
+// --- memory-new ------------------------------------------------------------------------
+
+#[derive(Clone, Default)]
+struct MemoryBaseline(Arc<Mutex<HashMap<String, MemoryRecord>>>);
+
+struct MemoryRecord {
+    fingerprint: Fingerprint,
+    /// `None` while the handler runs.
+    response: Option<(StatusCode, Bytes)>,
+}
+
+impl MemoryBaseline {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, MemoryRecord>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// By hand, what the layer does with a memory store: fingerprint, claim the key in a map
+/// (or answer from it), run the handler, store the answer.
+async fn memory_baseline(State(map): State<MemoryBaseline>, parts: Parts, body: Bytes) -> Response {
+    let Some(key) = key_of(&parts.headers) else {
+        return problem(StatusCode::BAD_REQUEST);
+    };
+    let fp = fingerprint(&parts, &[], &body);
+    match map.lock().entry(key.to_owned()) {
+        Entry::Occupied(e) => {
+            let record = e.get();
+            return match &record.response {
+                _ if record.fingerprint != fp => problem(StatusCode::UNPROCESSABLE_ENTITY),
+                None => problem(StatusCode::CONFLICT),
+                Some((status, answer)) => (
+                    *status,
+                    [
+                        (header::CONTENT_TYPE, "application/json"),
+                        (HeaderName::from_static("idempotent-replayed"), "true"),
+                    ],
+                    answer.clone(),
+                )
+                    .into_response(),
+            };
+        }
+        Entry::Vacant(v) => {
+            v.insert(MemoryRecord {
+                fingerprint: fp,
+                response: None,
+            });
+        }
+    }
+    let answer = common::created_json(body.len());
+    if let Some(record) = map.lock().get_mut(key) {
+        record.response = Some((StatusCode::CREATED, answer.clone()));
+    }
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/json")],
+        answer,
+    )
+        .into_response()
+}
+
+async fn build_memory_new(_ctx: &Ctx) -> Result<Built, BoxError> {
+    let baseline = Router::new()
+        .route(PATH, post(memory_baseline))
+        .with_state(MemoryBaseline::default());
+    let layer = Router::new()
+        .route(PATH, post(create))
+        .layer(IdempotencyLayer::new(MemoryStore::new()));
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::New,
+        expect: StatusCode::CREATED,
+        schema: None,
+    })
+}
+
+// --- pg-plain-new ----------------------------------------------------------------------
+
+/// The claim of a new key, written by hand: the insert of the store's CLAIM statement
+/// without the read and the takeover.
+const HAND_CLAIM: &str = "
+INSERT INTO tower_idempotency_keys AS k
+       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
+VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'),
+        now() + $4::float8 * interval '1 millisecond',
+        now() + $5::float8 * interval '1 millisecond')
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING k.lease_token";
+
+/// The store's COMPLETE statement, as it is.
+const HAND_COMPLETE: &str = "
+UPDATE tower_idempotency_keys
+   SET lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
+       expires_at = now() + $4::float8 * interval '1 millisecond',
+       response_status = $5, response_headers = $6, response_body = $7
+ WHERE scope = $1 AND key = $2 AND lease_token = $3";
+
+/// The read of a completed key, by hand: the `cur` part of the store's CLAIM statement.
+const HAND_SELECT: &str = "
+SELECT fingerprint, lease_token, expires_at <= now() AS expired,
+       response_status, response_headers, response_body
+  FROM tower_idempotency_keys
+ WHERE scope = $1 AND key = $2";
+
+/// The layer's defaults, in milliseconds: lease 30 s, TTL 24 h.
+const LEASE_MS: i64 = 30_000;
+const TTL_MS: i64 = 24 * 3600 * 1000;
+
+/// By hand, what the layer does with a Postgres store for a new key: fingerprint, claim
+/// (one insert), run the handler, complete (one update).
+async fn pg_plain_baseline(State(pool): State<PgPool>, parts: Parts, body: Bytes) -> Response {
+    match pg_plain(&pool, &parts, &body).await {
+        Ok(res) => res,
+        Err(e) => {
+            eprintln!("baseline: {e}");
+            problem(StatusCode::SERVICE_UNAVAILABLE)
+        }
+    }
+}
+
+async fn pg_plain(pool: &PgPool, parts: &Parts, body: &Bytes) -> Result<Response, BoxError> {
+    let Some(key) = key_of(&parts.headers) else {
+        return Ok(problem(StatusCode::BAD_REQUEST));
+    };
+    let fp = fingerprint(parts, &[], body);
+    let token: Option<i64> = sqlx::query_scalar(HAND_CLAIM)
+        .bind("")
+        .bind(key)
+        .bind(&fp.as_bytes()[..])
+        .bind(LEASE_MS)
+        .bind(TTL_MS)
+        .fetch_optional(pool)
+        .await?;
+    let Some(token) = token else {
+        return Ok(problem(StatusCode::CONFLICT));
+    };
+    let answer = common::created_json(body.len());
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let status = StatusCode::CREATED;
+    let stored = StoredResponse::new(status, headers.clone(), answer.clone());
+    sqlx::query(HAND_COMPLETE)
+        .bind("")
+        .bind(key)
+        .bind(token)
+        .bind(TTL_MS)
+        .bind(i16::try_from(status.as_u16())?)
+        .bind(stored.encode_headers())
+        .bind(&answer[..])
+        .execute(pool)
+        .await?;
+    Ok((status, headers, answer).into_response())
+}
+
+async fn build_pg_plain_new(ctx: &Ctx) -> Result<Built, BoxError> {
+    let schema = PgSchema::new(ctx.args.pool).await?;
+    let store = PostgresStore::new(schema.pool.clone());
+    store.migrate().await?;
+    let baseline = Router::new()
+        .route(PATH, post(pg_plain_baseline))
+        .with_state(schema.pool.clone());
+    let layer = Router::new()
+        .route(PATH, post(create))
+        .layer(IdempotencyLayer::new(store));
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::New,
+        expect: StatusCode::CREATED,
+        schema: Some(schema),
+    })
+}
+
+// --- pg-replay -------------------------------------------------------------------------
+
+/// By hand, what the layer does with a Postgres store for a completed key: fingerprint, one
+/// select, replay the stored answer.
+async fn pg_replay_baseline(State(pool): State<PgPool>, parts: Parts, body: Bytes) -> Response {
+    match pg_replay(&pool, &parts, &body).await {
+        Ok(res) => res,
+        Err(e) => {
+            eprintln!("baseline: {e}");
+            problem(StatusCode::SERVICE_UNAVAILABLE)
+        }
+    }
+}
+
+async fn pg_replay(pool: &PgPool, parts: &Parts, body: &Bytes) -> Result<Response, BoxError> {
+    let Some(key) = key_of(&parts.headers) else {
+        return Ok(problem(StatusCode::BAD_REQUEST));
+    };
+    let fp = fingerprint(parts, &[], body);
+    let Some(row) = sqlx::query(HAND_SELECT)
+        .bind("")
+        .bind(key)
+        .fetch_optional(pool)
+        .await?
+    else {
+        return Ok(problem(StatusCode::NOT_FOUND));
+    };
+    let stored_fp: Vec<u8> = row.try_get("fingerprint")?;
+    let expired: bool = row.try_get("expired")?;
+    let lease: Option<i64> = row.try_get("lease_token")?;
+    if expired || lease.is_some() {
+        return Ok(problem(StatusCode::CONFLICT));
+    }
+    if stored_fp != fp.as_bytes() {
+        return Ok(problem(StatusCode::UNPROCESSABLE_ENTITY));
+    }
+    let status: Option<i16> = row.try_get("response_status")?;
+    let status = StatusCode::from_u16(u16::try_from(status.unwrap_or_default())?)?;
+    let headers: Option<Vec<u8>> = row.try_get("response_headers")?;
+    let mut headers = StoredResponse::decode_headers(headers.as_deref().unwrap_or_default())?;
+    let body: Option<Vec<u8>> = row.try_get("response_body")?;
+    headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
+    let mut res = Response::new(axum::body::Body::from(body.unwrap_or_default()));
+    *res.status_mut() = status;
+    *res.headers_mut() = headers;
+    Ok(res)
+}
+
+async fn build_pg_replay(ctx: &Ctx) -> Result<Built, BoxError> {
+    let schema = PgSchema::new(ctx.args.pool).await?;
+    let store = PostgresStore::new(schema.pool.clone());
+    store.migrate().await?;
+    let baseline = Router::new()
+        .route(PATH, post(pg_replay_baseline))
+        .with_state(schema.pool.clone());
+    let layer = Router::new()
+        .route(PATH, post(create))
+        .layer(IdempotencyLayer::new(store));
+    // Complete every key once through the layer (in process), so both sides replay them.
+    let count = ctx.args.replay_keys;
+    let body = common::json_body(common::BODY_LEN);
+    let mut next = 0;
+    while next < count {
+        let batch = (next..count.min(next + 32)).map(|i| {
+            let req = request("127.0.0.1", &replay_key(i), &body);
+            layer.clone().oneshot(req.map(axum::body::Body::new))
+        });
+        for res in futures_join_all(batch).await {
+            let res = res?;
+            if res.status() != StatusCode::CREATED {
+                return Err(format!("completing a replay key: {}", res.status()).into());
+            }
+        }
+        next += 32;
+    }
+    sqlx::query("ANALYZE tower_idempotency_keys")
+        .execute(&schema.pool)
+        .await?;
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::Replay { count },
+        expect: StatusCode::CREATED,
+        schema: Some(schema),
+    })
+}
+
+fn replay_key(i: usize) -> String {
+    format!("replay-{i}")
+}
+
+/// Awaits every future of `futs` concurrently (a tiny `join_all`, to need no extra crate).
+async fn futures_join_all<F: Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+    let mut pinned: Vec<Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = pinned.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (fut, slot) in pinned.iter_mut().zip(out.iter_mut()) {
+            if slot.is_none() {
+                match fut.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *slot = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Postgres: a fresh schema per scenario
+// ---------------------------------------------------------------------------------------
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+struct PgSchema {
+    name: String,
+    admin: PgPool,
+    pool: PgPool,
+}
+
+impl PgSchema {
+    async fn new(pool_size: u32) -> Result<Self, BoxError> {
+        let url = database_url();
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(&url)
+            .await
+            .map_err(|e| format!("cannot connect to PostgreSQL at {url}: {e}"))?;
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .subsec_nanos();
+        let name = format!("bench_{}_{nanos}", std::process::id());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {name}")))
+            .execute(&admin)
+            .await?;
+        let opts = PgConnectOptions::from_str(&url)?
+            .application_name(&name)
+            .options([("search_path", name.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(pool_size)
+            .min_connections(pool_size)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(opts)
+            .await?;
+        // Open every connection now, so the backends whose CPU time is counted are all there.
+        let mut held = Vec::new();
+        for _ in 0..pool_size {
+            held.push(pool.acquire().await?);
+        }
+        drop(held);
+        Ok(Self { name, admin, pool })
+    }
+
+    /// The process IDs of the pool's server backends (found by their application name).
+    async fn backend_pids(&self) -> Result<Vec<u32>, BoxError> {
+        let pids: Vec<i32> =
+            sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE application_name = $1")
+                .bind(&self.name)
+                .fetch_all(&self.admin)
+                .await?;
+        Ok(pids
+            .into_iter()
+            .filter_map(|p| u32::try_from(p).ok())
+            .collect())
+    }
+
+    async fn truncate(&self) -> Result<(), BoxError> {
+        sqlx::query("TRUNCATE tower_idempotency_keys")
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn drop_schema(self) {
+        self.pool.close().await;
+        let sql = format!("DROP SCHEMA {} CASCADE", self.name);
+        if let Err(e) = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&self.admin)
+            .await
+        {
+            eprintln!("could not drop schema {}: {e}", self.name);
+        }
+        self.admin.close().await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Server
+// ---------------------------------------------------------------------------------------
+
+struct Server {
+    addr: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+fn start_server(rt: &Runtime, router: Router) -> Result<Server, BoxError> {
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        Ok(Server { addr, stop, task })
+    })
+}
+
+fn stop_server(rt: &Runtime, server: Server) {
+    let _ = server.stop.send(());
+    rt.block_on(async {
+        let abort = server.task.abort_handle();
+        match tokio::time::timeout(Duration::from_secs(5), server.task).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => eprintln!("server failed: {e}"),
+            Ok(Err(e)) => eprintln!("server task failed: {e}"),
+            Err(_) => {
+                eprintln!("server did not stop within 5 s; aborting it");
+                abort.abort();
+            }
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------
+// Client
+// ---------------------------------------------------------------------------------------
+
+fn request(host: &str, key: &str, body: &Bytes) -> http::Request<Full<Bytes>> {
+    http::Request::post(PATH)
+        .header(header::HOST, host)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("idempotency-key", key)
+        .body(Full::new(body.clone()))
+        .unwrap()
+}
+
+/// A small xorshift generator, one per connection: picks replay keys.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        let n = u64::try_from(n.max(1)).unwrap_or(u64::MAX);
+        usize::try_from(self.0 % n).unwrap_or(0)
+    }
+}
+
+/// What one side's measured window produced.
+struct Stats {
+    requests: u64,
+    unexpected: u64,
+    window: Duration,
+    /// Latencies of the requests completed in the window, in microseconds, sorted.
+    latencies_us: Vec<u32>,
+    /// CPU time used in the window.
+    cpu: Cpu,
+}
+
+impl Stats {
+    /// CPU time of the server's threads per request, in microseconds.
+    fn app_us(&self) -> f64 {
+        self.cpu.server.as_secs_f64() * 1e6 / self.requests as f64
+    }
+
+    /// CPU time of the pool's Postgres backends per request, in microseconds.
+    fn db_us(&self) -> Option<f64> {
+        Some(self.cpu.db?.as_secs_f64() * 1e6 / self.requests as f64)
+    }
+
+    /// What everything else on the machine used while this side ran, in cores.
+    fn others_cores(&self) -> Option<f64> {
+        let ours = self.cpu.server + self.cpu.client + self.cpu.db.unwrap_or_default();
+        let busy = self.cpu.machine?;
+        Some(busy.saturating_sub(ours).as_secs_f64() / self.window.as_secs_f64())
+    }
+
+    fn rps(&self) -> f64 {
+        self.requests as f64 / self.window.as_secs_f64()
+    }
+
+    /// The latency at quantile `q` (nearest rank), in milliseconds.
+    fn quantile_ms(&self, q: f64) -> f64 {
+        if self.latencies_us.is_empty() {
+            return f64::NAN;
+        }
+        let last = self.latencies_us.len() - 1;
+        // `q` is in [0, 1], so the rank is in [0, last]; truncating it is the nearest rank.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let rank = ((last as f64) * q).round() as usize;
+        f64::from(self.latencies_us[rank.min(last)]) / 1000.0
+    }
+
+    fn merge(&mut self, other: Stats) {
+        self.requests += other.requests;
+        self.unexpected += other.unexpected;
+        self.window += other.window;
+        self.cpu = self.cpu.add(other.cpu);
+        self.latencies_us.extend(other.latencies_us);
+        self.latencies_us.sort_unstable();
+    }
+}
+
+struct ConnResult {
+    requests: u64,
+    unexpected: u64,
+    latencies_us: Vec<u32>,
+}
+
+/// Drives `addr` with `args.connections` connections: warm-up, then the measured window.
+async fn drive(
+    addr: SocketAddr,
+    args: &Args,
+    keys: KeyPlan,
+    expect: StatusCode,
+    tag: &str,
+    db_pids: Vec<u32>,
+) -> Result<Stats, BoxError> {
+    let body = common::json_body(common::BODY_LEN);
+    let host = addr.to_string();
+    let mut senders = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        let stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                eprintln!("client connection failed: {e}");
+            }
+        });
+        senders.push(sender);
+    }
+    let start = Instant::now();
+    let measure_from = start + args.warmup;
+    let measure_until = measure_from + args.seconds;
+    let probe = tokio::spawn(async move {
+        tokio::time::sleep_until(measure_from.into()).await;
+        let before = CpuSnapshot::take(&db_pids);
+        tokio::time::sleep_until(measure_until.into()).await;
+        CpuSnapshot::take(&db_pids).since(&before)
+    });
+    let mut tasks = Vec::with_capacity(senders.len());
+    for (conn, mut sender) in senders.into_iter().enumerate() {
+        let (body, host, tag) = (body.clone(), host.clone(), tag.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let mut out = ConnResult {
+                requests: 0,
+                unexpected: 0,
+                latencies_us: Vec::new(),
+            };
+            let seed = u64::try_from(conn)
+                .unwrap_or(0)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let mut rng = Rng(seed | 1);
+            let mut seq = 0u64;
+            loop {
+                let sent = Instant::now();
+                if sent >= measure_until {
+                    break;
+                }
+                let key = match keys {
+                    KeyPlan::New => {
+                        seq += 1;
+                        format!("{tag}-{conn}-{seq}")
+                    }
+                    KeyPlan::Replay { count } => replay_key(rng.below(count)),
+                };
+                sender.ready().await?;
+                let res = sender.send_request(request(&host, &key, &body)).await?;
+                let status = res.status();
+                res.into_body().collect().await?;
+                let done = Instant::now();
+                if done >= measure_from && done < measure_until {
+                    out.requests += 1;
+                    if status != expect {
+                        out.unexpected += 1;
+                    }
+                    let us = (done - sent).as_micros();
+                    out.latencies_us.push(u32::try_from(us).unwrap_or(u32::MAX));
+                }
+            }
+            Ok::<_, BoxError>(out)
+        }));
+    }
+    let mut stats = Stats {
+        requests: 0,
+        unexpected: 0,
+        window: args.seconds,
+        latencies_us: Vec::new(),
+        cpu: Cpu::default(),
+    };
+    for task in tasks {
+        let r = task.await??;
+        stats.requests += r.requests;
+        stats.unexpected += r.unexpected;
+        stats.latencies_us.extend(r.latencies_us);
+    }
+    stats.latencies_us.sort_unstable();
+    stats.cpu = probe.await?;
+    Ok(stats)
+}
+
+// ---------------------------------------------------------------------------------------
+// CPU accounting (Linux): so a neighbour taking the CPU shows, and costs can be compared
+// ---------------------------------------------------------------------------------------
+
+/// CPU time used in a window.
+#[derive(Clone, Copy, Default)]
+struct Cpu {
+    /// The server runtime's threads (named `server`).
+    server: Duration,
+    /// The client runtime's threads (named `client`).
+    client: Duration,
+    /// The pool's Postgres backends, when their `/proc` entries can be read.
+    db: Option<Duration>,
+    /// Every CPU of the machine (`/proc/stat`), when readable.
+    machine: Option<Duration>,
+}
+
+impl Cpu {
+    fn add(self, other: Cpu) -> Cpu {
+        let sum = |a: Option<Duration>, b: Option<Duration>| Some(a? + b?);
+        Cpu {
+            server: self.server + other.server,
+            client: self.client + other.client,
+            db: sum(self.db, other.db),
+            machine: sum(self.machine, other.machine),
+        }
+    }
+}
+
+/// Cumulative CPU times at one instant.
+struct CpuSnapshot {
+    server: u64,
+    client: u64,
+    db: Option<u64>,
+    machine: Option<u64>,
+}
+
+/// The first field of a `schedstat` file: nanoseconds spent on a CPU.
+fn schedstat_ns(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Busy time of the whole machine in nanoseconds: `/proc/stat`'s `cpu` line less idle and
+/// iowait, in clock ticks (taken as 100 per second, Linux's `USER_HZ`).
+fn machine_busy_ns() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let total: u64 = ticks.iter().take(8).sum();
+    let idle = ticks.get(3)? + ticks.get(4)?;
+    Some((total - idle) * 10_000_000)
+}
+
+impl CpuSnapshot {
+    fn take(db_pids: &[u32]) -> CpuSnapshot {
+        let (mut server, mut client) = (0, 0);
+        if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+            for task in tasks.flatten() {
+                let dir = task.path().display().to_string();
+                let comm = std::fs::read_to_string(format!("{dir}/comm")).unwrap_or_default();
+                let ns = schedstat_ns(&format!("{dir}/schedstat")).unwrap_or(0);
+                match comm.trim_end() {
+                    "server" => server += ns,
+                    "client" => client += ns,
+                    _ => {}
+                }
+            }
+        }
+        let db = if db_pids.is_empty() {
+            None
+        } else {
+            db_pids
+                .iter()
+                .map(|pid| schedstat_ns(&format!("/proc/{pid}/schedstat")))
+                .sum()
+        };
+        CpuSnapshot {
+            server,
+            client,
+            db,
+            machine: machine_busy_ns(),
+        }
+    }
+
+    fn since(&self, before: &CpuSnapshot) -> Cpu {
+        let d = |a: u64, b: u64| Duration::from_nanos(a.saturating_sub(b));
+        Cpu {
+            server: d(self.server, before.server),
+            client: d(self.client, before.client),
+            db: self.db.zip(before.db).map(|(a, b)| d(a, b)),
+            machine: self.machine.zip(before.machine).map(|(a, b)| d(a, b)),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Running
+// ---------------------------------------------------------------------------------------
+
+struct Args {
+    scenarios: Vec<&'static Scenario>,
+    connections: usize,
+    seconds: Duration,
+    warmup: Duration,
+    pool: u32,
+    rounds: usize,
+    replay_keys: usize,
+    server_threads: usize,
+    client_threads: usize,
+    side: Side,
+}
+
+/// Which sides of each scenario run (`--side`); one side alone is for profiling it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Both,
+    Layer,
+    Baseline,
+}
+
+impl Side {
+    fn runs(self, layered: bool) -> bool {
+        match self {
+            Side::Both => true,
+            Side::Layer => layered,
+            Side::Baseline => !layered,
+        }
+    }
+}
+
+const USAGE: &str = "usage: cargo bench --bench load -- [scenario...] [--connections N] \
+[--seconds S] [--warmup S] [--pool N] [--rounds N] [--replay-keys N] [--server-threads N] \
+[--client-threads N] [--side both|layer|baseline]";
+
+fn parse_args() -> Result<Args, String> {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this binary without it.
+    // Then, like Criterion's test mode, make one short smoke run that checks every scenario
+    // works (options given on the command line still apply).
+    let measuring = argv.iter().any(|a| a == "--bench");
+    let mut args = if measuring {
+        Args {
+            scenarios: Vec::new(),
+            connections: 64,
+            seconds: Duration::from_secs(10),
+            warmup: Duration::from_secs(2),
+            pool: 16,
+            rounds: 1,
+            replay_keys: 10_000,
+            server_threads: 2,
+            client_threads: 2,
+            side: Side::Both,
+        }
+    } else {
+        println!("test mode (no --bench): a smoke run; `cargo bench --bench load` measures");
+        Args {
+            scenarios: Vec::new(),
+            connections: 4,
+            seconds: Duration::from_millis(300),
+            warmup: Duration::from_millis(100),
+            pool: 2,
+            rounds: 1,
+            replay_keys: 50,
+            server_threads: 2,
+            client_threads: 1,
+            side: Side::Both,
+        }
+    };
+    let mut it = argv.into_iter();
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| {
+            it.next()
+                .ok_or_else(|| format!("{name} needs a value\n{USAGE}"))
+        };
+        let secs = |v: String| -> Result<Duration, String> {
+            v.parse::<f64>()
+                .ok()
+                .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                .ok_or_else(|| format!("not a number of seconds: {v}"))
+        };
+        let num = |v: String| -> Result<usize, String> {
+            v.parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| format!("not a positive number: {v}"))
+        };
+        match arg.as_str() {
+            // `cargo bench` passes `--bench` to every benchmark binary.
+            "--bench" => {}
+            "--connections" => args.connections = num(value(&arg)?)?,
+            "--seconds" => args.seconds = secs(value(&arg)?)?,
+            "--warmup" => args.warmup = secs(value(&arg)?)?,
+            "--pool" => {
+                args.pool = u32::try_from(num(value(&arg)?)?).map_err(|e| e.to_string())?;
+            }
+            "--rounds" => args.rounds = num(value(&arg)?)?,
+            "--replay-keys" => args.replay_keys = num(value(&arg)?)?,
+            "--server-threads" => args.server_threads = num(value(&arg)?)?,
+            "--client-threads" => args.client_threads = num(value(&arg)?)?,
+            "--side" => {
+                args.side = match value(&arg)?.as_str() {
+                    "both" => Side::Both,
+                    "layer" => Side::Layer,
+                    "baseline" => Side::Baseline,
+                    other => return Err(format!("--side is both, layer or baseline, not {other}")),
+                };
+            }
+            "-h" | "--help" => return Err(USAGE.to_owned()),
+            other if other.starts_with('-') => {
+                return Err(format!("unknown option {other}\n{USAGE}"));
+            }
+            name => {
+                let scenario = SCENARIOS.iter().find(|s| s.name == name).ok_or_else(|| {
+                    let names: Vec<_> = SCENARIOS.iter().map(|s| s.name).collect();
+                    format!(
+                        "unknown scenario {name}; the scenarios: {}",
+                        names.join(", ")
+                    )
+                })?;
+                args.scenarios.push(scenario);
+            }
+        }
+    }
+    if args.scenarios.is_empty() {
+        args.scenarios = SCENARIOS.iter().collect();
+    }
+    Ok(args)
+}
+
+/// The shared context a scenario is built in.
+struct Ctx {
+    args: Args,
+}
+
+struct Outcome {
+    scenario: &'static Scenario,
+    layer: Option<Stats>,
+    baseline: Option<Stats>,
+}
+
+impl Outcome {
+    /// Layer ÷ baseline requests per second, when both sides ran.
+    fn ratio(&self) -> Option<f64> {
+        Some(self.layer.as_ref()?.rps() / self.baseline.as_ref()?.rps())
+    }
+}
+
+fn run_side(
+    ctx: &Ctx,
+    server_rt: &Runtime,
+    client_rt: &Runtime,
+    built: &Built,
+    layered: bool,
+    round: usize,
+) -> Result<Stats, BoxError> {
+    if let (KeyPlan::New, Some(schema)) = (built.keys, &built.schema) {
+        server_rt.block_on(schema.truncate())?;
+    }
+    let (router, tag) = if layered {
+        (built.layer.clone(), format!("layer{round}"))
+    } else {
+        (built.baseline.clone(), format!("base{round}"))
+    };
+    let db_pids = match &built.schema {
+        Some(schema) => server_rt.block_on(schema.backend_pids())?,
+        None => Vec::new(),
+    };
+    let server = start_server(server_rt, router)?;
+    let stats = client_rt.block_on(drive(
+        server.addr,
+        &ctx.args,
+        built.keys,
+        built.expect,
+        &tag,
+        db_pids,
+    ));
+    stop_server(server_rt, server);
+    let stats = stats?;
+    println!(
+        "  {:<8} round {}: {:>7.0} req/s  p50 {:>6.3} ms  p99 {:>6.3} ms  CPU/req: app {:>5.1} µs, \
+         db {} µs; others {} cores  ({} requests{})",
+        if layered { "layer" } else { "baseline" },
+        round + 1,
+        stats.rps(),
+        stats.quantile_ms(0.50),
+        stats.quantile_ms(0.99),
+        stats.app_us(),
+        opt(stats.db_us(), 1),
+        opt(stats.others_cores(), 2),
+        stats.requests,
+        if stats.unexpected > 0 {
+            format!(", {} with an unexpected status", stats.unexpected)
+        } else {
+            String::new()
+        }
+    );
+    Ok(stats)
+}
+
+fn run_scenario(
+    ctx: &Ctx,
+    scenario: &'static Scenario,
+    server_rt: &Runtime,
+    client_rt: &Runtime,
+) -> Result<Outcome, BoxError> {
+    println!(
+        "{}: layer = {}; baseline = {}",
+        scenario.name, scenario.layer_side, scenario.baseline
+    );
+    let built = server_rt.block_on((scenario.build)(ctx))?;
+    let mut result = (None::<Stats>, None::<Stats>);
+    let mut run = || -> Result<(), BoxError> {
+        for round in 0..ctx.args.rounds {
+            // Alternate which side goes first, so a drift (a warming cache, a growing
+            // table, a neighbour's build) does not favour one side.
+            let order = if round % 2 == 0 {
+                [false, true]
+            } else {
+                [true, false]
+            };
+            for layered in order.into_iter().filter(|l| ctx.args.side.runs(*l)) {
+                let stats = run_side(ctx, server_rt, client_rt, &built, layered, round)?;
+                let slot = if layered {
+                    &mut result.0
+                } else {
+                    &mut result.1
+                };
+                match slot {
+                    Some(s) => s.merge(stats),
+                    None => *slot = Some(stats),
+                }
+            }
+        }
+        Ok(())
+    };
+    let ran = run();
+    let Built { schema, .. } = built;
+    if let Some(schema) = schema {
+        server_rt.block_on(schema.drop_schema());
+    }
+    ran?;
+    let (layer, baseline) = result;
+    let unexpected = |s: &Option<Stats>| s.as_ref().map_or(0, |s| s.unexpected);
+    if unexpected(&layer) + unexpected(&baseline) > 0 {
+        return Err(format!(
+            "{}: answers with an unexpected status (layer {}, baseline {})",
+            scenario.name,
+            unexpected(&layer),
+            unexpected(&baseline)
+        )
+        .into());
+    }
+    let outcome = Outcome {
+        scenario,
+        layer,
+        baseline,
+    };
+    if let Some(ratio) = outcome.ratio() {
+        println!("  ratio {ratio:.3} (target ≥ {})", scenario.target);
+    }
+    Ok(outcome)
+}
+
+/// `v` with `decimals` decimals, or `–`.
+fn opt(v: Option<f64>, decimals: usize) -> String {
+    v.map_or_else(|| "–".to_owned(), |v| format!("{v:.decimals$}"))
+}
+
+fn print_table(args: &Args, outcomes: &[Outcome]) {
+    println!();
+    println!(
+        "{} connections, pool {}, {} s measured after {} s warm-up, {} round(s), server {} \
+         threads, client {} threads, 1 KiB JSON body",
+        args.connections,
+        args.pool,
+        args.seconds.as_secs_f64(),
+        args.warmup.as_secs_f64(),
+        args.rounds,
+        args.server_threads,
+        args.client_threads
+    );
+    println!();
+    println!(
+        "| scenario | layer req/s | layer p50 ms | layer p99 ms | baseline req/s | baseline p50 ms | baseline p99 ms | ratio | target | met |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    let cells = |s: &Option<Stats>| match s {
+        Some(s) => format!(
+            "{:.0} | {:.3} | {:.3}",
+            s.rps(),
+            s.quantile_ms(0.50),
+            s.quantile_ms(0.99)
+        ),
+        None => "– | – | –".to_owned(),
+    };
+    for o in outcomes {
+        let (ratio, met) = match o.ratio() {
+            Some(r) => (
+                format!("{r:.3}"),
+                if r >= o.scenario.target { "yes" } else { "no" },
+            ),
+            None => ("–".to_owned(), "–"),
+        };
+        println!(
+            "| {} | {} | {} | {ratio} | ≥ {} | {met} |",
+            o.scenario.name,
+            cells(&o.layer),
+            cells(&o.baseline),
+            o.scenario.target,
+        );
+    }
+    println!();
+    println!(
+        "CPU time per request (µs): app = the server process's threads, db = the pool's \
+         Postgres backends; cost ratio = baseline (app + db) ÷ layer (app + db); others = what \
+         the rest of the machine used meanwhile, in cores."
+    );
+    println!();
+    println!(
+        "| scenario | layer app | layer db | baseline app | baseline db | cost ratio | others (cores) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    for o in outcomes {
+        let cost = |s: &Stats| s.app_us() + s.db_us().unwrap_or(0.0);
+        let part = |s: &Option<Stats>, f: fn(&Stats) -> Option<f64>| opt(s.as_ref().and_then(f), 1);
+        let ratio = match (&o.layer, &o.baseline) {
+            (Some(l), Some(b)) => format!("{:.3}", cost(b) / cost(l)),
+            _ => "–".to_owned(),
+        };
+        let others: Vec<String> = [&o.layer, &o.baseline]
+            .into_iter()
+            .flatten()
+            .map(|s| opt(s.others_cores(), 2))
+            .collect();
+        println!(
+            "| {} | {} | {} | {} | {} | {ratio} | {} |",
+            o.scenario.name,
+            part(&o.layer, |s| Some(s.app_us())),
+            part(&o.layer, Stats::db_us),
+            part(&o.baseline, |s| Some(s.app_us())),
+            part(&o.baseline, Stats::db_us),
+            others.join(" / "),
+        );
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let runtime = |threads: usize, name: &str| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name(name)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let server_rt = runtime(args.server_threads, "server");
+    let client_rt = runtime(args.client_threads, "client");
+    let ctx = Ctx { args };
+    let mut outcomes = Vec::new();
+    let mut failed = false;
+    for &scenario in &ctx.args.scenarios {
+        match run_scenario(&ctx, scenario, &server_rt, &client_rt) {
+            Ok(o) => outcomes.push(o),
+            Err(e) => {
+                eprintln!("{}: failed: {e}", scenario.name);
+                failed = true;
+            }
+        }
+    }
+    print_table(&ctx.args, &outcomes);
+    // Stop the runtimes without waiting for stray tasks (closed connections end anyway).
+    server_rt.shutdown_timeout(Duration::from_secs(1));
+    client_rt.shutdown_timeout(Duration::from_secs(1));
+    if failed {
+        std::process::ExitCode::FAILURE
+    } else {
+        std::process::ExitCode::SUCCESS
+    }
+}

@@ -1,0 +1,16 @@
+-- The load harness's pg-plain-new baseline, by hand: insert the claim, then complete it.
+\set k random(1, 1000000000000)
+INSERT INTO tower_idempotency_keys AS k
+       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
+VALUES ('', :k::text, '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea, nextval('tower_idempotency_lease_token_seq'),
+        now() + 30000::float8 * interval '1 millisecond',
+        now() + 86400000::float8 * interval '1 millisecond')
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING k.lease_token
+\gset claim_
+UPDATE tower_idempotency_keys
+   SET lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
+       expires_at = now() + 86400000::float8 * interval '1 millisecond',
+       response_status = 201, response_headers = '\x000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e'::bytea,
+       response_body = convert_to('{"id":4711,"status":"created","received":1024}', 'UTF8')
+ WHERE scope = '' AND key = :k::text AND lease_token = :claim_lease_token;

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The database's own ceiling for the load harness's Postgres scenarios: the same SQL, run by
+# pgbench at the same database concurrency (the harness's pool size), with no HTTP and no Rust.
+#
+#   benches/pgbench/run.sh [-c CLIENTS] [-j THREADS] [-T SECONDS] [-k KEYS]
+#
+# Defaults: -c 16 (the harness's default --pool), -j 2, -T 10, -k 10000 (--replay-keys).
+# DATABASE_URL selects the server (default postgres://postgres@127.0.0.1:5432/postgres);
+# PGSSLMODE defaults to disable, like the harness's sqlx (built without TLS).
+#
+# It creates a schema of its own (dropped at the end), applies the crate's migrations there,
+# completes KEYS keys (replay-0 ...), then runs, each for SECONDS:
+#
+#   replay.sql               the store's CLAIM on a completed key (what a replay sends)
+#   select.sql               the hand-written SELECT (the pg-replay baseline)
+#   claim_complete.sql       the store's CLAIM + COMPLETE on a new key (a first request)
+#   plain_insert_update.sql  the hand-written INSERT + UPDATE (the pg-plain-new baseline)
+#
+# and prints each one's transactions per second (one transaction = one request's SQL).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+
+clients=16 threads=2 seconds=10 keys=10000
+while getopts "c:j:T:k:h" opt; do
+    case "$opt" in
+        c) clients="$OPTARG" ;;
+        j) threads="$OPTARG" ;;
+        T) seconds="$OPTARG" ;;
+        k) keys="$OPTARG" ;;
+        *) sed -n '2,9p' "$0"; exit 2 ;;
+    esac
+done
+
+url="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
+# The crate's sqlx is built without TLS, so the harness talks to Postgres in plaintext; so
+# does pgbench here (libpq would otherwise negotiate TLS with a server that has ssl = on).
+export PGSSLMODE="${PGSSLMODE:-disable}"
+schema="pgbench_$$_$(date +%s)"
+export PGOPTIONS="-c search_path=$schema"
+
+psql_q() { psql "$url" -v ON_ERROR_STOP=1 -q -X "$@"; }
+
+cleanup() { PGOPTIONS="" psql_q -c "DROP SCHEMA IF EXISTS $schema CASCADE" >/dev/null 2>&1 || true; }
+trap cleanup EXIT
+
+PGOPTIONS="" psql_q -c "CREATE SCHEMA $schema"
+for m in "$root"/migrations/*.sql; do
+    psql_q -f "$m"
+done
+
+fill_replay_keys() {
+    # The same record the layer leaves for a completed 201: fingerprint, one header, the body.
+    psql_q <<SQL
+TRUNCATE tower_idempotency_keys;
+INSERT INTO tower_idempotency_keys
+       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at, completed_at,
+        response_status, response_headers, response_body)
+SELECT '', 'replay-' || i,
+       '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea,
+       NULL, NULL, now() + interval '1 day', now(), 201,
+       '\x000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e'::bytea,
+       convert_to('{"id":4711,"status":"created","received":1024}', 'UTF8')
+  FROM generate_series(0, $keys - 1) AS i;
+ANALYZE tower_idempotency_keys;
+SQL
+}
+
+declare -A tps
+bench() {
+    local script="$1" out
+    out="$(pgbench "$url" -n -M prepared -c "$clients" -j "$threads" -T "$seconds" \
+        -D nkeys="$keys" -f "$here/$script" 2>&1)" || { echo "$out" >&2; exit 1; }
+    tps[$script]="$(echo "$out" | sed -n 's/^tps = \([0-9]*\).*/\1/p' | head -1)"
+    local lat
+    lat="$(echo "$out" | sed -n 's/^latency average = \(.*\)$/\1/p')"
+    printf '%-26s %10s tps   latency average %s\n' "$script" "${tps[$script]}" "$lat"
+}
+
+echo "pgbench: $clients clients, $threads threads, $seconds s each, $keys replay keys, schema $schema"
+fill_replay_keys
+bench replay.sql
+bench select.sql
+psql_q -c "TRUNCATE tower_idempotency_keys"
+bench claim_complete.sql
+psql_q -c "TRUNCATE tower_idempotency_keys"
+bench plain_insert_update.sql
+
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", a / b }'; }
+echo
+echo "| SQL (pgbench, -c $clients) | crate's statements tps | hand-written tps | ratio |"
+echo "|---|---:|---:|---:|"
+echo "| replay: CLAIM vs SELECT | ${tps[replay.sql]} | ${tps[select.sql]} | $(ratio "${tps[replay.sql]}" "${tps[select.sql]}") |"
+echo "| new key: CLAIM+COMPLETE vs INSERT+UPDATE | ${tps[claim_complete.sql]} | ${tps[plain_insert_update.sql]} | $(ratio "${tps[claim_complete.sql]}" "${tps[plain_insert_update.sql]}") |"

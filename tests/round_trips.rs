@@ -1,0 +1,324 @@
+//! How many statements each path of the Postgres store sends, counted on the wire.
+//!
+//! The store's pool connects through a small TCP proxy on `127.0.0.1:0` that forwards to
+//! Postgres and counts the frontend messages by type. sqlx uses the extended query protocol
+//! and caches prepared statements per connection, so once the connection is warm a statement
+//! is one Bind + Execute + Sync: the number of Execute (`E`) messages is the number of
+//! statements, and Parse (`P`) and simple Query (`Q`) messages stay at zero. The pool has one
+//! connection and the counts are taken between two points after it is warmed, so sqlx's own
+//! connection set-up is not counted.
+#![cfg(feature = "postgres")]
+#![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
+
+mod support;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
+use support::{Answer, Calls, PgSchema, database_url, handler, read, req};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tower::{Layer, ServiceExt};
+use tower_idempotency::{IdempotencyLayer, PostgresStore};
+
+/// Frontend messages seen by the proxy, per message type byte.
+struct Counters([AtomicUsize; 256]);
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self(std::array::from_fn(|_| AtomicUsize::new(0)))
+    }
+}
+
+/// A snapshot of [`Counters`], or the difference of two.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Counts([usize; 256]);
+
+impl Counts {
+    fn of(&self, message: u8) -> usize {
+        self.0[usize::from(message)]
+    }
+    /// Execute: one per statement in the extended protocol.
+    fn execute(&self) -> usize {
+        self.of(b'E')
+    }
+    /// Parse: a statement prepared (zero when the connection's cache has it).
+    fn parse(&self) -> usize {
+        self.of(b'P')
+    }
+    /// Simple Query.
+    fn query(&self) -> usize {
+        self.of(b'Q')
+    }
+    fn since(&self, earlier: &Counts) -> Counts {
+        let mut d = [0; 256];
+        for (i, slot) in d.iter_mut().enumerate() {
+            *slot = self.0[i] - earlier.0[i];
+        }
+        Counts(d)
+    }
+}
+
+impl fmt::Debug for Counts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut m = f.debug_map();
+        for (i, n) in self.0.iter().enumerate() {
+            if *n > 0 {
+                let ty = u8::try_from(i).map(char::from).unwrap_or('?');
+                m.entry(&ty, n);
+            }
+        }
+        m.finish()
+    }
+}
+
+/// Splits the client-to-server byte stream into messages: first the untyped start-up
+/// packets (`int32 length, int32 code, ...`; an SSL or GSS encryption request is followed by
+/// another), then typed messages (`byte type, int32 length, ...`).
+#[derive(Default)]
+struct FrontendParser {
+    started: bool,
+    header: Vec<u8>,
+    skip: usize,
+}
+
+const SSL_REQUEST: u32 = 80_877_103;
+const GSSENC_REQUEST: u32 = 80_877_104;
+
+impl FrontendParser {
+    fn feed(&mut self, mut data: &[u8], counters: &Counters) {
+        while !data.is_empty() {
+            if self.skip > 0 {
+                let n = self.skip.min(data.len());
+                self.skip -= n;
+                data = &data[n..];
+                continue;
+            }
+            let header_len = if self.started { 5 } else { 8 };
+            let n = (header_len - self.header.len()).min(data.len());
+            self.header.extend_from_slice(&data[..n]);
+            data = &data[n..];
+            if self.header.len() < header_len {
+                continue;
+            }
+            let be = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+            if self.started {
+                let len = usize::try_from(be(&self.header[1..5])).unwrap();
+                counters.0[usize::from(self.header[0])].fetch_add(1, Ordering::SeqCst);
+                self.skip = len - 4;
+            } else {
+                let len = usize::try_from(be(&self.header[0..4])).unwrap();
+                let code = be(&self.header[4..8]);
+                self.skip = len - 8;
+                self.started = code != SSL_REQUEST && code != GSSENC_REQUEST;
+            }
+            self.header.clear();
+        }
+    }
+}
+
+/// A TCP proxy to Postgres that counts the frontend messages of every connection through it.
+struct Proxy {
+    addr: SocketAddr,
+    counters: Arc<Counters>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    async fn start(upstream: (String, u16)) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let counters = Arc::new(Counters::default());
+        let c = counters.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let server = TcpStream::connect((upstream.0.as_str(), upstream.1))
+                    .await
+                    .unwrap();
+                tokio::spawn(forward(client, server, c.clone()));
+            }
+        });
+        Proxy {
+            addr,
+            counters,
+            task,
+        }
+    }
+
+    fn counts(&self) -> Counts {
+        Counts(std::array::from_fn(|i| {
+            self.counters.0[i].load(Ordering::SeqCst)
+        }))
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn forward(client: TcpStream, server: TcpStream, counters: Arc<Counters>) {
+    client.set_nodelay(true).unwrap();
+    server.set_nodelay(true).unwrap();
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let up = async move {
+        let mut parser = FrontendParser::default();
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = client_read.read(&mut buf).await?;
+            if n == 0 {
+                return server_write.shutdown().await;
+            }
+            // Counted before it is forwarded, so a count is complete once the answer is back.
+            parser.feed(&buf[..n], &counters);
+            server_write.write_all(&buf[..n]).await?;
+        }
+    };
+    let down = tokio::io::copy(&mut server_read, &mut client_write);
+    let _ = tokio::join!(up, down);
+}
+
+/// A pool of one connection to the test's schema, through `proxy`, without TLS (so the
+/// proxy can read the messages).
+async fn pool_through(proxy: &Proxy, schema: &PgSchema) -> PgPool {
+    let opts = PgConnectOptions::from_str(&database_url())
+        .unwrap()
+        .host("127.0.0.1")
+        .port(proxy.addr.port())
+        .ssl_mode(PgSslMode::Disable)
+        .options([("search_path", schema.name.as_str())]);
+    PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(1)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(opts)
+        .await
+        .unwrap()
+}
+
+fn upstream() -> (String, u16) {
+    let opts = PgConnectOptions::from_str(&database_url()).unwrap();
+    let host = opts.get_host().to_owned();
+    assert!(
+        !host.starts_with('/'),
+        "DATABASE_URL names a Unix socket ({host}); this test needs a TCP address"
+    );
+    (host, opts.get_port())
+}
+
+/// Sends one request through `svc` and returns its answer and the messages it cost.
+async fn send<S, B>(svc: &S, proxy: &Proxy, path: &str, key: &str, body: &str) -> (Answer, Counts)
+where
+    S: tower::Service<http::Request<Full<Bytes>>, Response = http::Response<B>> + Clone,
+    S::Error: fmt::Debug,
+    B: http_body::Body<Data = Bytes>,
+    B::Error: fmt::Debug,
+{
+    let before = proxy.counts();
+    let res = svc
+        .clone()
+        .oneshot(req("POST", path, Some(key), body))
+        .await
+        .unwrap();
+    let answer = read(res).await;
+    (answer, proxy.counts().since(&before))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_counts_statements_on_the_wire() {
+    let schema = PgSchema::new().await;
+    let proxy = Proxy::start(upstream()).await;
+    let pool = pool_through(&proxy, &schema).await;
+    let started = proxy.counts();
+
+    // A prepared statement, twice: prepared once, executed twice.
+    for _ in 0..2 {
+        sqlx::query("SELECT $1::int4")
+            .bind(1)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let prepared = proxy.counts().since(&started);
+    assert_eq!(prepared.execute(), 2, "{prepared:?}");
+    assert_eq!(prepared.parse(), 1, "{prepared:?}");
+
+    // A simple query: one Query message, no Execute.
+    let before = proxy.counts();
+    sqlx::raw_sql("SELECT 1").execute(&pool).await.unwrap();
+    let simple = proxy.counts().since(&before);
+    assert_eq!((simple.query(), simple.execute()), (1, 0), "{simple:?}");
+
+    pool.close().await;
+    schema.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_is_one_statement_and_a_first_request_two() {
+    let schema = PgSchema::new().await;
+    let admin = schema.pool(2).await;
+    PostgresStore::new(admin.clone()).migrate().await.unwrap();
+    admin.close().await;
+
+    let proxy = Proxy::start(upstream()).await;
+    let pool = pool_through(&proxy, &schema).await;
+    let calls = Calls::default();
+    let svc = IdempotencyLayer::new(PostgresStore::new(pool.clone())).layer(handler(calls.clone()));
+
+    // Warm the connection: every path below runs once, so its statements are prepared.
+    for (path, key, body) in [
+        ("/ok", "warm", "w"),
+        ("/ok", "warm", "w"),
+        ("/ok", "warm", "other"),
+        ("/fail", "warm-fail", "w"),
+    ] {
+        svc.clone()
+            .oneshot(req("POST", path, Some(key), body))
+            .await
+            .unwrap();
+    }
+
+    // A first request: claim, then complete.
+    let (first, cost) = send(&svc, &proxy, "/ok", "k1", "body").await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(!first.replayed());
+    assert_eq!(cost.execute(), 2, "a first request: {cost:?}");
+    assert_eq!((cost.parse(), cost.query()), (0, 0), "{cost:?}");
+
+    // A replay: the claim alone, which finds the completed record.
+    let (again, cost) = send(&svc, &proxy, "/ok", "k1", "body").await;
+    assert_eq!(again.status, 201);
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(cost.execute(), 1, "a replay: {cost:?}");
+    assert_eq!((cost.parse(), cost.query()), (0, 0), "{cost:?}");
+
+    // The key with another body: the claim alone, answered 422.
+    let (reused, cost) = send(&svc, &proxy, "/ok", "k1", "another body").await;
+    assert_eq!(reused.status, 422);
+    assert_eq!(cost.execute(), 1, "a reused key: {cost:?}");
+
+    // A 5xx: claim, then release.
+    let (failed, cost) = send(&svc, &proxy, "/fail", "k2", "body").await;
+    assert_eq!(failed.status, 500);
+    assert_eq!(cost.execute(), 2, "a 5xx: {cost:?}");
+
+    // The handler ran for the first request only (and the warm-up's).
+    assert_eq!(calls.get("/ok"), 2);
+
+    pool.close().await;
+    schema.drop_schema().await;
+}
