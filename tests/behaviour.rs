@@ -45,6 +45,7 @@ impl Fixture for Memory {
 struct Postgres {
     schema: PgSchema,
     store: PostgresStore,
+    read_first: bool,
 }
 
 impl Fixture for Postgres {
@@ -52,13 +53,19 @@ impl Fixture for Postgres {
     async fn new() -> Self {
         let schema = PgSchema::new().await;
         let store = schema.store().await;
-        Postgres { schema, store }
+        Postgres {
+            schema,
+            store,
+            read_first: false,
+        }
     }
     fn store(&self) -> PostgresStore {
         self.store.clone()
     }
     async fn second_instance(&self) -> PostgresStore {
         let store = PostgresStore::new(self.schema.pool(16).await);
+        // The other instance uses the other claim strategy: both must keep the guarantees.
+        let store = store.with_read_first(!self.read_first);
         // A second instance runs migrate() at start too; it must be a no-op.
         store.migrate().await.unwrap();
         store
@@ -66,6 +73,21 @@ impl Fixture for Postgres {
     async fn cleanup(self) {
         self.store.pool().close().await;
         self.schema.drop_schema().await;
+    }
+}
+
+/// The Postgres store with [`PostgresStore::with_read_first`].
+struct PostgresReadFirst(Postgres);
+
+impl PostgresReadFirst {
+    async fn new() -> Self {
+        let mut fx = Postgres::new().await;
+        fx.store = fx.store.with_read_first(true);
+        fx.read_first = true;
+        PostgresReadFirst(fx)
+    }
+    async fn cleanup(self) {
+        self.0.cleanup().await;
     }
 }
 
@@ -777,6 +799,17 @@ macro_rules! suite {
                     use super::Fixture;
                     let fx = super::Postgres::new().await;
                     super::$name(&fx).await;
+                    fx.cleanup().await;
+                }
+            )*
+        }
+        mod postgres_read_first {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    use super::Fixture;
+                    let fx = super::PostgresReadFirst::new().await;
+                    super::$name(&fx.0).await;
                     fx.cleanup().await;
                 }
             )*

@@ -61,12 +61,44 @@ const MIGRATION_LOCK: i64 = 0x746f_7769_6465_6d31;
 #[derive(Clone, Debug)]
 pub struct PostgresStore {
     pool: PgPool,
+    read_first: bool,
 }
 
 impl PostgresStore {
     /// A store on `pool`. Run [`migrate`](PostgresStore::migrate) once before use.
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            read_first: false,
+        }
+    }
+
+    /// Whether a claim reads the record with a plain `SELECT` before it writes (default
+    /// `false`).
+    ///
+    /// By default a claim is one statement that reads the record and inserts it when absent:
+    /// a first request costs two statements (claim, complete) and a replay one, but that one
+    /// statement carries the insert's executor set-up, which costs the database more than a
+    /// plain `SELECT` (see BENCHMARKS.md). With `read_first`, a replay costs exactly one plain
+    /// `SELECT`, and a first request three statements (read, insert, complete). Choose it for
+    /// endpoints where retries are common; the guarantees are the same either way (the insert
+    /// is still `ON CONFLICT DO NOTHING`, so two racing first requests cannot both win).
+    pub fn with_read_first(mut self, read_first: bool) -> Self {
+        self.read_first = read_first;
+        self
+    }
+
+    fn bind<'q>(
+        &self,
+        sql: &'static str,
+        req: &'q ClaimRequest<'q>,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        sqlx::query(sql)
+            .bind(req.scope)
+            .bind(req.key.as_str())
+            .bind(&req.fingerprint.as_bytes()[..])
+            .bind(millis(req.lease))
+            .bind(millis(req.ttl))
     }
 
     /// The pool this store uses.
@@ -155,25 +187,33 @@ pub(crate) fn db_error(err: sqlx::Error) -> StoreError {
     StoreError::from(err)
 }
 
-/// One atomic statement: read the record, insert it if absent, take it over if expired or
-/// its lease ran out. A replay is only the read (the insert and update are skipped by
-/// one-time filters), so it costs what a plain `SELECT` costs.
+/// The record's state, as every claim path reads it.
+macro_rules! read_record {
+    () => {
+        "SELECT fingerprint, lease_token, expires_at <= now() AS expired,
+               (expires_at <= now()
+                OR (lease_token IS NOT NULL AND lease_expires_at <= now() AND fingerprint = $3))
+                   AS claimable,
+               (extract(epoch FROM lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
+               response_status, response_headers, response_body
+          FROM tower_idempotency_keys
+         WHERE scope = $1 AND key = $2"
+    };
+}
+
+/// The claim, in one statement: read the record and insert it if it is absent. For a
+/// replay, an in-flight key or a mismatch, the insert is skipped by a one-time filter and the
+/// statement is only the read.
 ///
-/// Under READ COMMITTED all three parts see the snapshot of the statement's start. When a
-/// concurrent request wins the race (its insert or update commits first), this statement
-/// gets neither an inserted nor an updated row, and the caller runs it again with a fresh
-/// snapshot.
-const CLAIM: &str = "
-WITH cur AS (
-    SELECT fingerprint, lease_token, expires_at <= now() AS expired,
-           (expires_at <= now()
-            OR (lease_token IS NOT NULL AND lease_expires_at <= now() AND fingerprint = $3))
-               AS claimable,
-           (extract(epoch FROM lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
-           response_status, response_headers, response_body
-      FROM tower_idempotency_keys
-     WHERE scope = $1 AND key = $2
-),
+/// Under READ COMMITTED both parts see the snapshot of the statement's start. When a
+/// concurrent request inserted the key after that snapshot, this statement gets neither an
+/// inserted row nor a record, and the caller runs it again with a fresh snapshot. A record
+/// that is expired, or whose lease ran out, comes back `claimable` and is taken over by
+/// [`TAKEOVER`], a second statement that only this rare path pays for.
+const CLAIM: &str = concat!(
+    "WITH cur AS (",
+    read_record!(),
+    "),
 ins AS (
     INSERT INTO tower_idempotency_keys AS k
            (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
@@ -183,28 +223,44 @@ ins AS (
      WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING k.lease_token
-),
-upd AS (
-    UPDATE tower_idempotency_keys AS k
-       SET fingerprint = $3,
-           lease_token = nextval('tower_idempotency_lease_token_seq'),
-           lease_expires_at = now() + $4::float8 * interval '1 millisecond',
-           expires_at = now() + $5::float8 * interval '1 millisecond',
-           created_at = now(), completed_at = NULL,
-           response_status = NULL, response_headers = NULL, response_body = NULL
-     WHERE k.scope = $1 AND k.key = $2
-       AND EXISTS (SELECT 1 FROM cur WHERE cur.claimable)
-       AND (k.expires_at <= now()
-            OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= now() AND k.fingerprint = $3))
-    RETURNING k.lease_token
 )
-SELECT ins.lease_token AS inserted, upd.lease_token AS updated,
+SELECT ins.lease_token AS inserted,
        cur.fingerprint, cur.lease_token, cur.expired, cur.claimable, cur.lease_left_ms,
        cur.response_status, cur.response_headers, cur.response_body
   FROM (SELECT 1) AS one
   LEFT JOIN ins ON true
-  LEFT JOIN upd ON true
-  LEFT JOIN cur ON true";
+  LEFT JOIN cur ON true"
+);
+
+/// The read alone, for [`PostgresStore::with_read_first`]: a replay costs exactly one
+/// plain `SELECT`.
+const READ: &str = read_record!();
+
+/// The insert alone, for [`PostgresStore::with_read_first`] when [`READ`] found nothing.
+const INSERT: &str = "
+INSERT INTO tower_idempotency_keys AS k
+       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
+VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'),
+        now() + $4::float8 * interval '1 millisecond',
+        now() + $5::float8 * interval '1 millisecond')
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING k.lease_token AS inserted";
+
+/// Takes over a record that is expired or whose lease ran out. The condition is checked
+/// again on the row's latest version, so of two requests taking over at once, one wins; the
+/// other gets no row and claims again.
+const TAKEOVER: &str = "
+UPDATE tower_idempotency_keys AS k
+   SET fingerprint = $3,
+       lease_token = nextval('tower_idempotency_lease_token_seq'),
+       lease_expires_at = now() + $4::float8 * interval '1 millisecond',
+       expires_at = now() + $5::float8 * interval '1 millisecond',
+       created_at = now(), completed_at = NULL,
+       response_status = NULL, response_headers = NULL, response_body = NULL
+ WHERE k.scope = $1 AND k.key = $2
+   AND (k.expires_at <= now()
+        OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= now() AND k.fingerprint = $3))
+RETURNING k.lease_token";
 
 const COMPLETE: &str = "
 UPDATE tower_idempotency_keys
@@ -235,30 +291,26 @@ const CLAIM_ATTEMPTS: usize = 4;
 
 enum Decision {
     Done(ClaimOutcome),
-    /// A concurrent request changed the record after our snapshot: run the claim again.
+    /// The record is expired or abandoned: take it over ([`TAKEOVER`]).
+    TakeOver {
+        /// `false` when the old record had merely expired (that is a new claim).
+        abandoned: bool,
+    },
+    /// No record in our snapshot, yet the insert conflicted: a concurrent insert won. Claim
+    /// again.
     Retry,
 }
 
+/// Classifies the record read by [`CLAIM`] or [`READ`] (without an `inserted` token).
 fn decide(row: &PgRow, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
-    if let Some(token) = row.try_get::<Option<i64>, _>("inserted")? {
-        return Ok(Decision::Done(ClaimOutcome::Acquired {
-            token: LeaseToken::from_raw(token),
-            takeover: false,
-        }));
-    }
-    let expired: Option<bool> = row.try_get("expired")?;
-    if let Some(token) = row.try_get::<Option<i64>, _>("updated")? {
-        return Ok(Decision::Done(ClaimOutcome::Acquired {
-            token: LeaseToken::from_raw(token),
-            takeover: expired == Some(false),
-        }));
-    }
     let Some(fingerprint) = row.try_get::<Option<Vec<u8>>, _>("fingerprint")? else {
-        // No record in our snapshot, yet our insert conflicted: a concurrent insert won.
         return Ok(Decision::Retry);
     };
     if row.try_get::<Option<bool>, _>("claimable")? == Some(true) {
-        return Ok(Decision::Retry);
+        let expired: Option<bool> = row.try_get("expired")?;
+        return Ok(Decision::TakeOver {
+            abandoned: expired == Some(false),
+        });
     }
     if fingerprint != req.fingerprint.as_bytes() {
         return Ok(Decision::Done(ClaimOutcome::Mismatch));
@@ -273,6 +325,13 @@ fn decide(row: &PgRow, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
     Ok(Decision::Done(ClaimOutcome::Completed(decode_response(
         row,
     )?)))
+}
+
+fn acquired(token: i64, takeover: bool) -> ClaimOutcome {
+    ClaimOutcome::Acquired {
+        token: LeaseToken::from_raw(token),
+        takeover,
+    }
 }
 
 /// Reads the stored response of a completed record from `row`.
@@ -294,17 +353,40 @@ pub(crate) fn decode_response(row: &PgRow) -> Result<StoredResponse, StoreError>
 impl Store for PostgresStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         for _ in 0..CLAIM_ATTEMPTS {
-            let row = sqlx::query(CLAIM)
-                .bind(req.scope)
-                .bind(req.key.as_str())
-                .bind(&req.fingerprint.as_bytes()[..])
-                .bind(millis(req.lease))
-                .bind(millis(req.ttl))
-                .fetch_one(&self.pool)
-                .await
-                .map_err(db_error)?;
-            if let Decision::Done(outcome) = decide(&row, &req)? {
-                return Ok(outcome);
+            let decision = if self.read_first {
+                let row = sqlx::query(READ)
+                    .bind(req.scope)
+                    .bind(req.key.as_str())
+                    .bind(&req.fingerprint.as_bytes()[..])
+                    .fetch_optional(&self.pool)
+                    .await;
+                match row.map_err(db_error)? {
+                    Some(row) => decide(&row, &req)?,
+                    None => {
+                        let row = self.bind(INSERT, &req).fetch_optional(&self.pool).await;
+                        match row.map_err(db_error)? {
+                            Some(row) => return Ok(acquired(row.try_get("inserted")?, false)),
+                            None => Decision::Retry,
+                        }
+                    }
+                }
+            } else {
+                let row = self.bind(CLAIM, &req).fetch_one(&self.pool).await;
+                let row = row.map_err(db_error)?;
+                match row.try_get::<Option<i64>, _>("inserted")? {
+                    Some(token) => return Ok(acquired(token, false)),
+                    None => decide(&row, &req)?,
+                }
+            };
+            match decision {
+                Decision::Done(outcome) => return Ok(outcome),
+                Decision::Retry => {}
+                Decision::TakeOver { abandoned } => {
+                    let row = self.bind(TAKEOVER, &req).fetch_optional(&self.pool).await;
+                    if let Some(row) = row.map_err(db_error)? {
+                        return Ok(acquired(row.try_get("lease_token")?, abandoned));
+                    }
+                }
             }
         }
         // Every attempt lost a race to another claimer, which therefore holds the key now.
