@@ -807,7 +807,6 @@ macro_rules! suite {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
-                    use super::Fixture;
                     let fx = super::PostgresReadFirst::new().await;
                     super::$name(&fx.0).await;
                     fx.cleanup().await;
