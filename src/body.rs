@@ -9,6 +9,54 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+/// Buffered body chunks, in order. The first chunk is kept inline: most bodies arrive in
+/// one frame, and then buffering them allocates nothing.
+#[derive(Default)]
+pub(crate) struct Chunks {
+    first: Option<Bytes>,
+    rest: VecDeque<Bytes>,
+}
+
+impl Chunks {
+    /// Appends a chunk (all pushes come before the first pop).
+    pub(crate) fn push(&mut self, chunk: Bytes) {
+        if self.first.is_none() && self.rest.is_empty() {
+            self.first = Some(chunk);
+        } else {
+            self.rest.push_back(chunk);
+        }
+    }
+
+    pub(crate) fn pop_front(&mut self) -> Option<Bytes> {
+        self.first.take().or_else(|| self.rest.pop_front())
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.first.is_none() && self.rest.is_empty()
+    }
+
+    pub(crate) fn byte_len(&self) -> u64 {
+        self.first
+            .iter()
+            .chain(&self.rest)
+            .map(|c| c.len() as u64)
+            .sum()
+    }
+
+    /// All chunks as one `Bytes`, copying only when there are several.
+    pub(crate) fn into_bytes(mut self) -> Bytes {
+        if self.rest.is_empty() {
+            return self.first.unwrap_or_default();
+        }
+        let len = usize::try_from(self.byte_len()).unwrap_or(usize::MAX);
+        let mut all = bytes::BytesMut::with_capacity(len);
+        while let Some(c) = self.pop_front() {
+            all.extend_from_slice(&c);
+        }
+        all.freeze()
+    }
+}
+
 pin_project! {
     /// The request body seen by the inner service.
     ///
@@ -25,7 +73,7 @@ pin_project! {
     #[project = RequestKindProj]
     enum RequestKind<B> {
         Passthrough { #[pin] body: B },
-        Buffered { chunks: VecDeque<Bytes>, trailers: Option<HeaderMap>, remaining: u64 },
+        Buffered { chunks: Chunks, trailers: Option<HeaderMap>, remaining: u64 },
     }
 }
 
@@ -36,8 +84,8 @@ impl<B> RequestBody<B> {
         }
     }
 
-    pub(crate) fn buffered(chunks: VecDeque<Bytes>, trailers: Option<HeaderMap>) -> Self {
-        let remaining = chunks.iter().map(|c| c.len() as u64).sum();
+    pub(crate) fn buffered(chunks: Chunks, trailers: Option<HeaderMap>) -> Self {
+        let remaining = chunks.byte_len();
         Self {
             kind: RequestKind::Buffered {
                 chunks,
@@ -112,8 +160,8 @@ pin_project! {
     enum ResponseKind<B: Body> {
         Inner { #[pin] body: B },
         Full { data: Option<Bytes> },
-        Prefixed { head: VecDeque<Bytes>, rest: Pin<Box<B>> },
-        Failed { head: VecDeque<Bytes>, error: Option<B::Error> },
+        Prefixed { head: Chunks, rest: Pin<Box<B>> },
+        Failed { head: Chunks, error: Option<B::Error> },
     }
 }
 
@@ -132,13 +180,13 @@ impl<B: Body> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn prefixed(head: VecDeque<Bytes>, rest: Pin<Box<B>>) -> Self {
+    pub(crate) fn prefixed(head: Chunks, rest: Pin<Box<B>>) -> Self {
         Self {
             kind: ResponseKind::Prefixed { head, rest },
         }
     }
 
-    pub(crate) fn failed(head: VecDeque<Bytes>, error: B::Error) -> Self {
+    pub(crate) fn failed(head: Chunks, error: B::Error) -> Self {
         Self {
             kind: ResponseKind::Failed {
                 head,
@@ -192,7 +240,7 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             ResponseKind::Prefixed { head, rest } => {
-                let h: u64 = head.iter().map(|c| c.len() as u64).sum();
+                let h = head.byte_len();
                 let r = rest.size_hint();
                 let mut hint = SizeHint::new();
                 hint.set_lower(r.lower() + h);

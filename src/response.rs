@@ -1,5 +1,7 @@
 //! The stored response and its encoding.
 
+use std::sync::Arc;
+
 use bytes::{Buf, BufMut, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
@@ -15,8 +17,13 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 /// the status and headers only ([`body`](StoredResponse::body) is `None`); a repeat is then
 /// answered `409` with a problem document that names the original status, and the handler is
 /// not run again.
+///
+/// Cloning is cheap (a reference count): stores may keep a clone.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StoredResponse {
+pub struct StoredResponse(Arc<Inner>);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Inner {
     status: StatusCode,
     headers: HeaderMap,
     body: Option<Bytes>,
@@ -25,52 +32,55 @@ pub struct StoredResponse {
 impl StoredResponse {
     /// A complete response.
     pub fn new(status: StatusCode, headers: HeaderMap, body: Bytes) -> Self {
-        Self {
+        Self(Arc::new(Inner {
             status,
             headers,
             body: Some(body),
-        }
+        }))
     }
 
     /// A response whose body was too large to store.
     pub fn without_body(status: StatusCode, headers: HeaderMap) -> Self {
-        Self {
+        Self(Arc::new(Inner {
             status,
             headers,
             body: None,
-        }
+        }))
     }
 
     /// The status code.
     pub fn status(&self) -> StatusCode {
-        self.status
+        self.0.status
     }
 
     /// The stored headers.
     pub fn headers(&self) -> &HeaderMap {
-        &self.headers
+        &self.0.headers
     }
 
     /// The body, or `None` when it was too large to store.
     pub fn body(&self) -> Option<&Bytes> {
-        self.body.as_ref()
+        self.0.body.as_ref()
     }
 
-    /// Splits the response into its status, headers and body.
+    /// Splits the response into its status, headers and body (copying the headers only when
+    /// a store still holds this response).
     pub fn into_parts(self) -> (StatusCode, HeaderMap, Option<Bytes>) {
-        (self.status, self.headers, self.body)
+        let inner = Arc::try_unwrap(self.0).unwrap_or_else(|shared| (*shared).clone());
+        (inner.status, inner.headers, inner.body)
     }
 
     /// Encodes the headers for storage: for each header, a big-endian `u16` name length,
     /// the name, a `u32` value length and the value.
     pub fn encode_headers(&self) -> Vec<u8> {
         let size: usize = self
+            .0
             .headers
             .iter()
             .map(|(n, v)| 6 + n.as_str().len() + v.len())
             .sum();
         let mut out = Vec::with_capacity(size);
-        for (name, value) in &self.headers {
+        for (name, value) in &self.0.headers {
             // Header names are far shorter than 64 KiB and values than 4 GiB in any HTTP
             // implementation (hyper caps a whole head at a few hundred KiB); saturate anyway.
             let n = name.as_str().as_bytes();

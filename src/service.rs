@@ -1,19 +1,18 @@
 //! [`Idempotency`], the service the layer produces.
 
-use std::collections::VecDeque;
 use std::future::{Future, poll_fn};
 use std::pin::pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response, header};
 use http_body::Body;
 use tower_service::Service;
 use tracing::Instrument;
 
-use crate::body::{RequestBody, ResponseBody};
+use crate::body::{Chunks, RequestBody, ResponseBody};
 use crate::error::{BoxError, StoreError};
 use crate::fingerprint::Fingerprinter;
 use crate::future::ResponseFuture;
@@ -233,14 +232,14 @@ pub(crate) struct Run<St> {
 
 /// A request body read in full: its chunks (not copied), trailers and fingerprint input.
 pub(crate) struct Buffered {
-    pub(crate) chunks: VecDeque<Bytes>,
+    pub(crate) chunks: Chunks,
     pub(crate) trailers: Option<HeaderMap>,
 }
 
 pub(crate) enum Collected<B: Body> {
     Complete(Bytes),
-    TooLarge(VecDeque<Bytes>, std::pin::Pin<Box<B>>),
-    Failed(VecDeque<Bytes>, B::Error),
+    TooLarge(Chunks, std::pin::Pin<Box<B>>),
+    Failed(Chunks, B::Error),
 }
 
 impl<St: Store> Run<St> {
@@ -348,8 +347,13 @@ impl<St: Store> Run<St> {
                 // of its own, which finishes even if this future is dropped while waiting.
                 if let Some(held) = guard.held.take() {
                     let ttl = config.ttl;
-                    let completion = tokio::spawn(async move { held.complete(&stored, ttl).await });
-                    if let Err(e) = completion.await {
+                    let mut completion = Box::pin(async move { held.complete(&stored, ttl).await });
+                    // Most stores finish at the first poll (the memory store always does);
+                    // only a pending completion moves to a task of its own.
+                    let first = poll_fn(|cx| Poll::Ready(completion.as_mut().poll(cx))).await;
+                    if first.is_pending()
+                        && let Err(e) = tokio::spawn(completion).await
+                    {
                         tracing::error!(
                             error = &e as &dyn std::error::Error,
                             "storing the answer panicked"
@@ -382,7 +386,7 @@ where
     B::Error: Into<BoxError>,
 {
     let mut body = pin!(body);
-    let mut chunks = VecDeque::new();
+    let mut chunks = Chunks::default();
     let mut trailers = None;
     let mut len = 0usize;
     while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
@@ -402,7 +406,7 @@ where
                 }
                 fingerprinter.update(&data);
                 if !data.is_empty() {
-                    chunks.push_back(data);
+                    chunks.push(data);
                 }
             }
             Err(frame) => {
@@ -418,7 +422,7 @@ where
 /// Reads a response body up to `limit` bytes. Trailers are not kept.
 pub(crate) async fn collect<B: Body<Data = Bytes>>(body: B, limit: usize) -> Collected<B> {
     let mut body = Box::pin(body);
-    let mut chunks = VecDeque::new();
+    let mut chunks = Chunks::default();
     let mut len = 0usize;
     loop {
         match poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
@@ -429,7 +433,7 @@ pub(crate) async fn collect<B: Body<Data = Bytes>>(body: B, limit: usize) -> Col
                     && !data.is_empty()
                 {
                     len = len.saturating_add(data.len());
-                    chunks.push_back(data);
+                    chunks.push(data);
                     if len > limit {
                         return Collected::TooLarge(chunks, body);
                     }
@@ -437,17 +441,7 @@ pub(crate) async fn collect<B: Body<Data = Bytes>>(body: B, limit: usize) -> Col
             }
         }
     }
-    Collected::Complete(match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop_front().unwrap_or_default(),
-        _ => {
-            let mut all = BytesMut::with_capacity(len);
-            for c in chunks {
-                all.extend_from_slice(&c);
-            }
-            all.freeze()
-        }
-    })
+    Collected::Complete(chunks.into_bytes())
 }
 
 pub(crate) fn replay<B: Body>(

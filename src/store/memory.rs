@@ -28,19 +28,12 @@ pub struct MemoryStore {
 
 #[derive(Default)]
 struct Inner {
-    shards: [Mutex<HashMap<RecordId, Entry>>; SHARDS],
+    shards: [Mutex<Shard>; SHARDS],
     hasher: std::hash::RandomState,
 }
 
-/// (scope, key) as one allocation: the scope's length, the scope, then the key.
-#[derive(PartialEq, Eq, Hash)]
-struct RecordId(Box<str>);
-
-impl RecordId {
-    fn new(scope: &str, key: &IdempotencyKey) -> Self {
-        Self(format!("{}:{scope}{key}", scope.len()).into_boxed_str())
-    }
-}
+/// Records by scope, then key: lookups borrow `&str`s, so only an insert allocates.
+type Shard = HashMap<Box<str>, HashMap<Box<str>, Entry>>;
 
 struct Entry {
     fingerprint: Fingerprint,
@@ -79,7 +72,11 @@ impl MemoryStore {
 
     /// The number of records held, expired ones included until they are purged.
     pub fn len(&self) -> usize {
-        self.inner.shards.iter().map(|s| lock(s).len()).sum()
+        self.inner
+            .shards
+            .iter()
+            .map(|s| lock(s).values().map(HashMap::len).sum::<usize>())
+            .sum()
     }
 
     /// Whether the store holds no records.
@@ -87,10 +84,10 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, id: &RecordId) -> MutexGuard<'_, HashMap<RecordId, Entry>> {
+    fn shard(&self, scope: &str, key: &IdempotencyKey) -> MutexGuard<'_, Shard> {
         // Reducing modulo SHARDS keeps the value below 16; the truncation is the point.
         #[allow(clippy::cast_possible_truncation)]
-        let i = (self.inner.hasher.hash_one(id) % SHARDS as u64) as usize;
+        let i = (self.inner.hasher.hash_one((scope, key.as_str())) % SHARDS as u64) as usize;
         lock(&self.inner.shards[i])
     }
 
@@ -100,10 +97,12 @@ impl MemoryStore {
         key: &IdempotencyKey,
         f: impl FnOnce(Option<&mut Entry>, Instant) -> T,
     ) -> T {
-        let id = RecordId::new(scope, key);
-        let mut shard = self.shard(&id);
+        let mut shard = self.shard(scope, key);
         let now = Instant::now();
-        let entry = shard.get_mut(&id).filter(|e| e.expires_at > now);
+        let entry = shard
+            .get_mut(scope)
+            .and_then(|keys| keys.get_mut(key.as_str()))
+            .filter(|e| e.expires_at > now);
         f(entry, now)
     }
 }
@@ -116,8 +115,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Store for MemoryStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
-        let id = RecordId::new(req.scope, req.key);
-        let mut shard = self.shard(&id);
+        let mut shard = self.shard(req.scope, req.key);
         let now = Instant::now();
         let fresh = |takeover: bool| {
             let token = next_token();
@@ -131,7 +129,10 @@ impl Store for MemoryStore {
             };
             (entry, ClaimOutcome::Acquired { token, takeover })
         };
-        match shard.get_mut(&id) {
+        let existing = shard
+            .get_mut(req.scope)
+            .and_then(|keys| keys.get_mut(req.key.as_str()));
+        match existing {
             Some(e) if e.expires_at > now => {
                 if e.fingerprint != req.fingerprint {
                     return Ok(ClaimOutcome::Mismatch);
@@ -150,9 +151,19 @@ impl Store for MemoryStore {
                     }
                 }
             }
-            _ => {
+            // Expired: count it as absent and reuse its slot.
+            Some(e) => {
                 let (entry, outcome) = fresh(false);
-                shard.insert(id, entry);
+                *e = entry;
+                Ok(outcome)
+            }
+            None => {
+                let (entry, outcome) = fresh(false);
+                let keys = match shard.get_mut(req.scope) {
+                    Some(keys) => keys,
+                    None => shard.entry(req.scope.into()).or_default(),
+                };
+                keys.insert(req.key.as_str().into(), entry);
                 Ok(outcome)
             }
         }
@@ -182,14 +193,19 @@ impl Store for MemoryStore {
         key: &IdempotencyKey,
         token: LeaseToken,
     ) -> Result<bool, StoreError> {
-        let id = RecordId::new(scope, key);
-        let mut shard = self.shard(&id);
+        let mut shard = self.shard(scope, key);
+        let Some(keys) = shard.get_mut(scope) else {
+            return Ok(false);
+        };
         let held = matches!(
-            shard.get(&id),
+            keys.get(key.as_str()),
             Some(Entry { state: State::InProgress { token: t, .. }, .. }) if *t == token
         );
         if held {
-            shard.remove(&id);
+            keys.remove(key.as_str());
+            if keys.is_empty() {
+                shard.remove(scope);
+            }
         }
         Ok(held)
     }
@@ -225,17 +241,19 @@ impl Store for MemoryStore {
                 // Bounded work per lock, so a purge never stalls requests on that shard.
                 let mut map = lock(shard);
                 let now = Instant::now();
-                let before = map.len();
                 let mut budget = batch;
-                map.retain(|_, e| {
-                    if budget > 0 && e.expires_at <= now {
-                        budget -= 1;
-                        false
-                    } else {
-                        true
-                    }
+                map.retain(|_, keys| {
+                    keys.retain(|_, e| {
+                        if budget > 0 && e.expires_at <= now {
+                            budget -= 1;
+                            false
+                        } else {
+                            true
+                        }
+                    });
+                    !keys.is_empty()
                 });
-                let n = before - map.len();
+                let n = batch - budget;
                 deleted += n as u64;
                 if n < batch {
                     break;
