@@ -210,7 +210,7 @@ pub use rejection::Rejection;
 pub use response::{IDEMPOTENT_REPLAYED, StoredResponse};
 pub use service::Idempotency;
 #[cfg(feature = "postgres")]
-pub use store::PostgresStore;
+pub use store::{ClaimStrategy, PostgresStore};
 pub use store::{ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, spawn_purge_task};
 #[cfg(feature = "postgres")]
 pub use transactional::{IdempotentTx, Transactional, TxConn, TxFinished};

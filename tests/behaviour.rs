@@ -12,8 +12,8 @@ use http_body_util::Full;
 use support::{Answer, Calls, PgSchema, read, req};
 use tower::{Layer, ServiceExt};
 use tower_idempotency::{
-    ClaimOutcome, ClaimRequest, IdempotencyKey, IdempotencyLayer, MemoryStore, PostgresStore,
-    Store, StoredResponse, fingerprint::fingerprint,
+    ClaimOutcome, ClaimRequest, ClaimStrategy, IdempotencyKey, IdempotencyLayer, MemoryStore,
+    PostgresStore, Store, StoredResponse, fingerprint::fingerprint,
 };
 
 /// A store under test, and how to reach it from a second "app instance".
@@ -45,27 +45,39 @@ impl Fixture for Memory {
 struct Postgres {
     schema: PgSchema,
     store: PostgresStore,
-    read_first: bool,
+    strategy: ClaimStrategy,
+}
+
+impl Postgres {
+    async fn with(strategy: ClaimStrategy) -> Self {
+        let schema = PgSchema::new().await;
+        let store = schema.store().await.with_claim_strategy(strategy);
+        Postgres {
+            schema,
+            store,
+            strategy,
+        }
+    }
 }
 
 impl Fixture for Postgres {
     type Store = PostgresStore;
     async fn new() -> Self {
-        let schema = PgSchema::new().await;
-        let store = schema.store().await;
-        Postgres {
-            schema,
-            store,
-            read_first: false,
-        }
+        Postgres::with(ClaimStrategy::Combined).await
     }
     fn store(&self) -> PostgresStore {
         self.store.clone()
     }
     async fn second_instance(&self) -> PostgresStore {
         let store = PostgresStore::new(self.schema.pool(16).await);
-        // The other instance uses the other claim strategy: both must keep the guarantees.
-        let store = store.with_read_first(!self.read_first);
+        // The other instance uses another claim strategy: together they must keep every
+        // guarantee.
+        let other = match self.strategy {
+            ClaimStrategy::Combined => ClaimStrategy::ReadFirst,
+            ClaimStrategy::ReadFirst => ClaimStrategy::InsertFirst,
+            _ => ClaimStrategy::Combined,
+        };
+        let store = store.with_claim_strategy(other);
         // A second instance runs migrate() at start too; it must be a no-op.
         store.migrate().await.unwrap();
         store
@@ -73,21 +85,6 @@ impl Fixture for Postgres {
     async fn cleanup(self) {
         self.store.pool().close().await;
         self.schema.drop_schema().await;
-    }
-}
-
-/// The Postgres store with [`PostgresStore::with_read_first`].
-struct PostgresReadFirst(Postgres);
-
-impl PostgresReadFirst {
-    async fn new() -> Self {
-        let mut fx = Postgres::new().await;
-        fx.store = fx.store.with_read_first(true);
-        fx.read_first = true;
-        PostgresReadFirst(fx)
-    }
-    async fn cleanup(self) {
-        self.0.cleanup().await;
     }
 }
 
@@ -807,8 +804,20 @@ macro_rules! suite {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
-                    let fx = super::PostgresReadFirst::new().await;
-                    super::$name(&fx.0).await;
+                    use super::Fixture;
+                    let fx = super::Postgres::with(super::ClaimStrategy::ReadFirst).await;
+                    super::$name(&fx).await;
+                    fx.cleanup().await;
+                }
+            )*
+        }
+        mod postgres_insert_first {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    use super::Fixture;
+                    let fx = super::Postgres::with(super::ClaimStrategy::InsertFirst).await;
+                    super::$name(&fx).await;
                     fx.cleanup().await;
                 }
             )*

@@ -34,7 +34,7 @@ pub(crate) mod postgres;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
-pub use postgres::PostgresStore;
+pub use postgres::{ClaimStrategy, PostgresStore};
 
 /// The fencing token of a claimed key.
 ///

@@ -61,7 +61,34 @@ const MIGRATION_LOCK: i64 = 0x746f_7769_6465_6d31;
 #[derive(Clone, Debug)]
 pub struct PostgresStore {
     pool: PgPool,
-    read_first: bool,
+    strategy: ClaimStrategy,
+}
+
+/// How [`PostgresStore`] claims a key: the statements a first request and a replay cost.
+///
+/// Every strategy keeps every guarantee (one atomic insert decides between racing first
+/// requests; takeovers are fenced); they differ in round trips and in what the database
+/// spends per statement. The figures in BENCHMARKS.md show the trade-off on one machine.
+///
+/// | strategy | first request | replay |
+/// |---|---|---|
+/// | [`Combined`](ClaimStrategy::Combined) (default) | 2 statements: claim, complete | 1 statement (a read and a skipped insert) |
+/// | [`ReadFirst`](ClaimStrategy::ReadFirst) | 3: read, insert, complete | 1 plain `SELECT` |
+/// | [`InsertFirst`](ClaimStrategy::InsertFirst) | 2: plain insert, complete | 2: insert (conflicts), read |
+///
+/// Choose `ReadFirst` for endpoints where retries are common, `InsertFirst` where they are
+/// rare and first requests dominate, `Combined` for the fewest round trips overall. Expired
+/// or abandoned keys cost one more statement (the takeover) in every strategy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClaimStrategy {
+    /// One statement reads the record and inserts it when absent.
+    #[default]
+    Combined,
+    /// A plain `SELECT` first; the insert only when the key is absent.
+    ReadFirst,
+    /// A plain `INSERT … ON CONFLICT DO NOTHING` first; the read only when the key exists.
+    InsertFirst,
 }
 
 impl PostgresStore {
@@ -69,23 +96,33 @@ impl PostgresStore {
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,
-            read_first: false,
+            strategy: ClaimStrategy::Combined,
         }
     }
 
-    /// Whether a claim reads the record with a plain `SELECT` before it writes (default
-    /// `false`).
-    ///
-    /// By default a claim is one statement that reads the record and inserts it when absent:
-    /// a first request costs two statements (claim, complete) and a replay one, but that one
-    /// statement carries the insert's executor set-up, which costs the database more than a
-    /// plain `SELECT` (see BENCHMARKS.md). With `read_first`, a replay costs exactly one plain
-    /// `SELECT`, and a first request three statements (read, insert, complete). Choose it for
-    /// endpoints where retries are common; the guarantees are the same either way (the insert
-    /// is still `ON CONFLICT DO NOTHING`, so two racing first requests cannot both win).
-    pub fn with_read_first(mut self, read_first: bool) -> Self {
-        self.read_first = read_first;
+    /// How a claim is sent to the database (default [`ClaimStrategy::Combined`]).
+    pub fn with_claim_strategy(mut self, strategy: ClaimStrategy) -> Self {
+        self.strategy = strategy;
         self
+    }
+
+    async fn read(&self, req: &ClaimRequest<'_>) -> Result<Option<PgRow>, StoreError> {
+        sqlx::query(READ)
+            .bind(req.scope)
+            .bind(req.key.as_str())
+            .bind(&req.fingerprint.as_bytes()[..])
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)
+    }
+
+    /// The token of a fresh claim, or `None` when the key exists.
+    async fn insert(&self, req: &ClaimRequest<'_>) -> Result<Option<i64>, StoreError> {
+        let row = self.bind(INSERT, req).fetch_optional(&self.pool).await;
+        match row.map_err(db_error)? {
+            Some(row) => Ok(Some(row.try_get("inserted")?)),
+            None => Ok(None),
+        }
     }
 
     fn bind<'q>(
@@ -232,11 +269,10 @@ SELECT ins.lease_token AS inserted,
   LEFT JOIN cur ON true"
 );
 
-/// The read alone, for [`PostgresStore::with_read_first`]: a replay costs exactly one
-/// plain `SELECT`.
+/// The read alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`].
 const READ: &str = read_record!();
 
-/// The insert alone, for [`PostgresStore::with_read_first`] when [`READ`] found nothing.
+/// The insert alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`].
 const INSERT: &str = "
 INSERT INTO tower_idempotency_keys AS k
        (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
@@ -353,30 +389,30 @@ pub(crate) fn decode_response(row: &PgRow) -> Result<StoredResponse, StoreError>
 impl Store for PostgresStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         for _ in 0..CLAIM_ATTEMPTS {
-            let decision = if self.read_first {
-                let row = sqlx::query(READ)
-                    .bind(req.scope)
-                    .bind(req.key.as_str())
-                    .bind(&req.fingerprint.as_bytes()[..])
-                    .fetch_optional(&self.pool)
-                    .await;
-                match row.map_err(db_error)? {
-                    Some(row) => decide(&row, &req)?,
-                    None => {
-                        let row = self.bind(INSERT, &req).fetch_optional(&self.pool).await;
-                        match row.map_err(db_error)? {
-                            Some(row) => return Ok(acquired(row.try_get("inserted")?, false)),
-                            None => Decision::Retry,
-                        }
+            let decision = match self.strategy {
+                ClaimStrategy::Combined => {
+                    let row = self.bind(CLAIM, &req).fetch_one(&self.pool).await;
+                    let row = row.map_err(db_error)?;
+                    match row.try_get::<Option<i64>, _>("inserted")? {
+                        Some(token) => return Ok(acquired(token, false)),
+                        None => decide(&row, &req)?,
                     }
                 }
-            } else {
-                let row = self.bind(CLAIM, &req).fetch_one(&self.pool).await;
-                let row = row.map_err(db_error)?;
-                match row.try_get::<Option<i64>, _>("inserted")? {
+                ClaimStrategy::ReadFirst => match self.read(&req).await? {
+                    Some(row) => decide(&row, &req)?,
+                    None => match self.insert(&req).await? {
+                        Some(token) => return Ok(acquired(token, false)),
+                        None => Decision::Retry,
+                    },
+                },
+                ClaimStrategy::InsertFirst => match self.insert(&req).await? {
                     Some(token) => return Ok(acquired(token, false)),
-                    None => decide(&row, &req)?,
-                }
+                    None => match self.read(&req).await? {
+                        Some(row) => decide(&row, &req)?,
+                        // Deleted between the two statements (released or purged).
+                        None => Decision::Retry,
+                    },
+                },
             };
             match decision {
                 Decision::Done(outcome) => return Ok(outcome),
