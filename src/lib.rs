@@ -105,7 +105,8 @@
 //! - [`MemoryStore`]: in-process, for development, tests and single-process services.
 //! - [`PostgresStore`]: one table shared by every instance; run
 //!   [`migrate`](PostgresStore::migrate) at start. Times are computed by Postgres, so
-//!   instances with skewed clocks agree. A replay costs one statement, a first request two.
+//!   instances with skewed clocks agree. A replay costs one statement, a first request two
+//!   (with the default [`ClaimStrategy`]).
 //! - Your own: implement [`Store`].
 //!
 //! Expired keys are deleted by [`Store::purge_expired`] in bounded batches; [`spawn_purge_task`]

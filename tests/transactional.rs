@@ -269,3 +269,51 @@ async fn abandoned_plain_mode_claim_is_taken_over() {
     assert_eq!(fx.payments().await, 1);
     fx.cleanup().await;
 }
+
+/// The axum extractor hands the handler the request's transaction.
+#[cfg(feature = "axum")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn axum_extractor_writes_in_the_request_transaction() {
+    use axum::Router;
+    use axum::routing::post;
+
+    async fn pay(tx: IdempotentTx) -> Result<(StatusCode, String), StatusCode> {
+        let mut conn = tx
+            .conn()
+            .await
+            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        let (id,): (i64,) =
+            sqlx::query_as("INSERT INTO payments (note) VALUES ('axum') RETURNING id")
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+        Ok((StatusCode::CREATED, format!("payment {id}")))
+    }
+
+    let fx = Fx::new().await;
+    let app = Router::new()
+        .route("/pay", post(pay))
+        .route(
+            "/plain",
+            post(|tx: Option<IdempotentTx>| async move { format!("{}", tx.is_some()) }),
+        )
+        .layer(IdempotencyLayer::new(fx.store.transactional()).with_key_required(false));
+    let send = |uri: &str, key: Option<&str>| {
+        let mut b = Request::post(uri);
+        if let Some(k) = key {
+            b = b.header("idempotency-key", k);
+        }
+        app.clone()
+            .oneshot(b.body(axum::body::Body::from("{}")).unwrap())
+    };
+    let first = read(send("/pay", Some("k")).await.unwrap()).await;
+    assert_eq!(first.status, 201);
+    let again = read(send("/pay", Some("k")).await.unwrap()).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!((fx.payments().await, fx.keys().await), (1, 1));
+    // Without a key (optional here) there is no transaction to extract.
+    let plain = read(send("/plain", None).await.unwrap()).await;
+    assert_eq!(plain.text(), "false");
+    fx.cleanup().await;
+}
