@@ -7,14 +7,14 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request, Response, header};
+use http::{HeaderMap, HeaderValue, Request, Response, header, request::Parts};
 use http_body::Body;
 use tower_service::Service;
 use tracing::Instrument;
 
 use crate::body::{Chunks, RequestBody, ResponseBody};
 use crate::error::{BoxError, StoreError};
-use crate::fingerprint::Fingerprinter;
+use crate::fingerprint::{Fingerprint, Fingerprinter};
 use crate::future::ResponseFuture;
 use crate::key::IdempotencyKey;
 use crate::layer::{Config, KeySource};
@@ -236,7 +236,7 @@ pub(crate) struct Buffered {
     pub(crate) trailers: Option<HeaderMap>,
 }
 
-pub(crate) enum Collected<B: Body> {
+enum Collected<B: Body> {
     Complete(Bytes),
     TooLarge(Chunks, std::pin::Pin<Box<B>>),
     Failed(Chunks, B::Error),
@@ -255,24 +255,19 @@ impl<St: Store> Run<St> {
         ResBody: Body<Data = Bytes>,
     {
         let config = &self.config;
-        let (mut parts, body) = req.into_parts();
-        let scope = config
-            .scope
-            .as_ref()
-            .and_then(|f| f(&parts))
-            .unwrap_or_default();
-        let mut fingerprinter = Fingerprinter::new(&parts, &config.fingerprint_headers);
-        let buffered = match read_body(body, &mut fingerprinter, config.max_request_body).await {
-            Ok(b) => b,
-            Err(rejection) => {
-                record(Outcome::Rejected);
-                return Ok(render(config, &rejection));
-            }
+        let Prepared {
+            mut parts,
+            scope,
+            fingerprint,
+            buffered,
+        } = match prepare(config, req).await {
+            Ok(prepared) => prepared,
+            Err(rejected) => return Ok(rejected),
         };
         let claim = ClaimRequest {
             scope: &scope,
             key: &self.key,
-            fingerprint: fingerprinter.finish(),
+            fingerprint,
             lease: config.lease,
             ttl: config.ttl,
         };
@@ -320,24 +315,7 @@ impl<St: Store> Run<St> {
 
         let work = async {
             let response = inner.call(req).await?;
-            if response.status().is_server_error() && !config.store_server_errors {
-                return Ok((response.map(ResponseBody::inner), None));
-            }
-            let (res_parts, body) = response.into_parts();
-            let (body, stored) = match collect(body, config.max_response_body).await {
-                Collected::Complete(bytes) => {
-                    let headers = replayable_headers(&res_parts.headers, config.keep_set_cookie);
-                    let stored = StoredResponse::new(res_parts.status, headers, bytes.clone());
-                    (ResponseBody::full(bytes), Some(stored))
-                }
-                Collected::TooLarge(head, rest) => {
-                    let headers = replayable_headers(&res_parts.headers, config.keep_set_cookie);
-                    let stored = StoredResponse::without_body(res_parts.status, headers);
-                    (ResponseBody::prefixed(head, rest), Some(stored))
-                }
-                Collected::Failed(head, err) => (ResponseBody::failed(head, err), None),
-            };
-            Ok((Response::from_parts(res_parts, body), stored))
+            Ok(to_store(config, response).await)
         };
         let outcome = renewing(work, &guard, config.lease).await;
         match outcome {
@@ -376,7 +354,76 @@ impl<St: Store> Run<St> {
     }
 }
 
-pub(crate) async fn read_body<B>(
+/// A keyed request, read and fingerprinted, ready to claim.
+pub(crate) struct Prepared {
+    pub(crate) parts: Parts,
+    pub(crate) scope: String,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) buffered: Buffered,
+}
+
+/// Derives the scope, reads the body (up to the limit) and fingerprints the request; a
+/// request that cannot be read is answered here.
+pub(crate) async fn prepare<ReqBody, ResBody>(
+    config: &Config,
+    req: Request<ReqBody>,
+) -> Result<Prepared, Response<ResponseBody<ResBody>>>
+where
+    ReqBody: Body<Data = Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body,
+{
+    let (parts, body) = req.into_parts();
+    let scope = config
+        .scope
+        .as_ref()
+        .and_then(|f| f(&parts))
+        .unwrap_or_default();
+    let mut fingerprinter = Fingerprinter::new(&parts, &config.fingerprint_headers);
+    match read_body(body, &mut fingerprinter, config.max_request_body).await {
+        Ok(buffered) => Ok(Prepared {
+            parts,
+            scope,
+            fingerprint: fingerprinter.finish(),
+            buffered,
+        }),
+        Err(rejection) => {
+            record(Outcome::Rejected);
+            Err(render(config, &rejection))
+        }
+    }
+}
+
+/// The handler's answer for the client, and what to store of it: `None` for a `5xx` (unless
+/// configured otherwise) and for a body that failed, which release the key instead.
+pub(crate) async fn to_store<ResBody>(
+    config: &Config,
+    response: Response<ResBody>,
+) -> (Response<ResponseBody<ResBody>>, Option<StoredResponse>)
+where
+    ResBody: Body<Data = Bytes>,
+{
+    if response.status().is_server_error() && !config.store_server_errors {
+        return (response.map(ResponseBody::inner), None);
+    }
+    let (parts, body) = response.into_parts();
+    let (body, stored) = match collect(body, config.max_response_body).await {
+        Collected::Complete(bytes) => {
+            let headers = replayable_headers(&parts.headers, config.keep_set_cookie);
+            let stored = StoredResponse::new(parts.status, headers, bytes.clone());
+            (ResponseBody::full(bytes), Some(stored))
+        }
+        Collected::TooLarge(head, rest) => {
+            let headers = replayable_headers(&parts.headers, config.keep_set_cookie);
+            let stored = StoredResponse::without_body(parts.status, headers);
+            (ResponseBody::prefixed(head, rest), Some(stored))
+        }
+        Collected::Failed(head, err) => (ResponseBody::failed(head, err), None),
+    };
+    (Response::from_parts(parts, body), stored)
+}
+
+async fn read_body<B>(
     body: B,
     fingerprinter: &mut Fingerprinter,
     limit: usize,
@@ -420,7 +467,7 @@ where
 }
 
 /// Reads a response body up to `limit` bytes. Trailers are not kept.
-pub(crate) async fn collect<B: Body<Data = Bytes>>(body: B, limit: usize) -> Collected<B> {
+async fn collect<B: Body<Data = Bytes>>(body: B, limit: usize) -> Collected<B> {
     let mut body = Box::pin(body);
     let mut chunks = Chunks::default();
     let mut len = 0usize;

@@ -59,12 +59,11 @@ use tower_service::Service;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::error::{BoxError, StoreError};
-use crate::fingerprint::Fingerprinter;
 use crate::mode::{Keyed, Mode, Sealed};
 use crate::rejection::Rejection;
-use crate::response::{StoredResponse, replayable_headers};
+use crate::response::StoredResponse;
 use crate::service::{
-    Collected, Outcome, collect, log_store_error, read_body, record, render, replay,
+    Outcome, Prepared, log_store_error, prepare, record, render, replay, to_store,
 };
 use crate::store::PostgresStore;
 use crate::store::postgres::{decode_response, millis};
@@ -243,21 +242,15 @@ impl Sealed for Transactional {
         ResBody::Error: Send + 'static,
     {
         let Keyed { config, key } = keyed;
-        let (mut parts, body) = req.into_parts();
-        let scope = config
-            .scope
-            .as_ref()
-            .and_then(|f| f(&parts))
-            .unwrap_or_default();
-        let mut fingerprinter = Fingerprinter::new(&parts, &config.fingerprint_headers);
-        let buffered = match read_body(body, &mut fingerprinter, config.max_request_body).await {
-            Ok(b) => b,
-            Err(rejection) => {
-                record(Outcome::Rejected);
-                return Ok(render(&config, &rejection));
-            }
+        let Prepared {
+            mut parts,
+            scope,
+            fingerprint,
+            buffered,
+        } = match prepare(&config, req).await {
+            Ok(prepared) => prepared,
+            Err(rejected) => return Ok(rejected),
         };
-        let fingerprint = fingerprinter.finish();
         let unavailable = |err: StoreError, what: &'static str| {
             record(Outcome::StoreError);
             log_store_error(&err, what);
@@ -321,29 +314,11 @@ impl Sealed for Transactional {
                 return Err(e);
             }
         };
-        if response.status().is_server_error() && !config.store_server_errors {
+        let (response, stored) = to_store(&config, response).await;
+        let Some(stored) = stored else {
+            // A 5xx, or a body that failed: roll the handler's writes back.
             rollback(handle.take()).await;
-            return Ok(response.map(ResponseBody::inner));
-        }
-        let (res_parts, body) = response.into_parts();
-        let (body, stored) = match collect(body, config.max_response_body).await {
-            Collected::Complete(bytes) => {
-                let headers = replayable_headers(&res_parts.headers, config.keep_set_cookie);
-                let stored = StoredResponse::new(res_parts.status, headers, bytes.clone());
-                (ResponseBody::full(bytes), stored)
-            }
-            Collected::TooLarge(head, rest) => {
-                let headers = replayable_headers(&res_parts.headers, config.keep_set_cookie);
-                let stored = StoredResponse::without_body(res_parts.status, headers);
-                (ResponseBody::prefixed(head, rest), stored)
-            }
-            Collected::Failed(head, err) => {
-                rollback(handle.take()).await;
-                return Ok(Response::from_parts(
-                    res_parts,
-                    ResponseBody::failed(head, err),
-                ));
-            }
+            return Ok(response);
         };
 
         let Some(mut tx) = handle.take() else {
@@ -387,7 +362,7 @@ impl Sealed for Transactional {
         if let Err(e) = tx.commit().await {
             return Ok(unavailable(e.into(), "commit; answered 503"));
         }
-        Ok(Response::from_parts(res_parts, body))
+        Ok(response)
     }
 }
 
