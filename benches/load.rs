@@ -10,7 +10,9 @@
 //! Without a scenario name, every scenario runs. Each scenario starts a server twice on
 //! `127.0.0.1:0` (in its own multi-thread runtime): once with the route behind the layer and
 //! once with the same route *without* the layer, whose handler does by hand the work the layer
-//! would do (the baseline). A client in a second runtime opens `--connections` keep-alive
+//! would do (the baseline; for `pg-tx`, the handler's own transaction with no idempotency at
+//! all). The Postgres scenarios exist once per `ClaimStrategy` (`pg-plain-new`, `pg-replay`:
+//! the default, `Combined`; `-insert-first`, `-read-first`). A client in a second runtime opens `--connections` keep-alive
 //! connections, sends requests on each back to back for `--warmup` seconds (not counted), then
 //! for `--seconds` seconds, and reports requests per second and the p50/p99 latency of the
 //! requests completed in that window. The ratio is layer ÷ baseline requests per second.
@@ -26,7 +28,7 @@
 //! (`perf record -- target/release/deps/load-… memory-new --side layer`).
 //!
 //! The Postgres scenarios use `DATABASE_URL` (default the local server) and a fresh schema per
-//! scenario, dropped at the end; new-key scenarios empty the table before each side runs, so
+//! scenario, dropped at the end; new-key scenarios empty the tables before each side runs, so
 //! both start from the same state. The pool is sqlx's default apart from its size.
 //!
 //! Adding a scenario: write a `build_*` function that returns the two routers and the key
@@ -44,6 +46,7 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use axum::Extension;
 use axum::Router;
 use axum::extract::State;
 use axum::http::request::Parts;
@@ -60,7 +63,8 @@ use tokio::runtime::Runtime;
 use tower::ServiceExt;
 use tower_idempotency::fingerprint::fingerprint;
 use tower_idempotency::{
-    Fingerprint, IdempotencyLayer, MemoryStore, PostgresStore, StoredResponse,
+    ClaimStrategy, Fingerprint, IdempotencyLayer, IdempotentTx, MemoryStore, PostgresStore,
+    StoredResponse,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -95,17 +99,55 @@ const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "pg-plain-new",
-        layer_side: "PostgresStore, new key per request",
-        baseline: "fingerprint + INSERT … ON CONFLICT DO NOTHING RETURNING, then UPDATE (by hand)",
+        layer_side: "PostgresStore (ClaimStrategy::Combined, the default), new key per request",
+        baseline: "fingerprint + the store's INSERT … ON CONFLICT DO NOTHING RETURNING, then its \
+                   COMPLETE UPDATE (by hand)",
         target: 0.95,
-        build: |ctx| Box::pin(build_pg_plain_new(ctx)),
+        build: |ctx| Box::pin(build_pg_plain_new(ctx, ClaimStrategy::Combined)),
+    },
+    Scenario {
+        name: "pg-plain-new-insert-first",
+        layer_side: "PostgresStore (ClaimStrategy::InsertFirst), new key per request",
+        baseline: "as pg-plain-new",
+        target: 0.95,
+        build: |ctx| Box::pin(build_pg_plain_new(ctx, ClaimStrategy::InsertFirst)),
+    },
+    Scenario {
+        name: "pg-plain-new-read-first",
+        layer_side: "PostgresStore (ClaimStrategy::ReadFirst), new key per request",
+        baseline: "as pg-plain-new",
+        target: 0.95,
+        build: |ctx| Box::pin(build_pg_plain_new(ctx, ClaimStrategy::ReadFirst)),
     },
     Scenario {
         name: "pg-replay",
-        layer_side: "PostgresStore, completed keys requested again",
-        baseline: "fingerprint + one SELECT of the record (by hand)",
+        layer_side: "PostgresStore (ClaimStrategy::Combined, the default), completed keys \
+                     requested again",
+        baseline: "fingerprint + the store's plain SELECT of the record (by hand)",
         target: 0.95,
-        build: |ctx| Box::pin(build_pg_replay(ctx)),
+        build: |ctx| Box::pin(build_pg_replay(ctx, ClaimStrategy::Combined)),
+    },
+    Scenario {
+        name: "pg-replay-read-first",
+        layer_side: "PostgresStore (ClaimStrategy::ReadFirst), completed keys requested again",
+        baseline: "as pg-replay",
+        target: 0.95,
+        build: |ctx| Box::pin(build_pg_replay(ctx, ClaimStrategy::ReadFirst)),
+    },
+    Scenario {
+        name: "pg-replay-insert-first",
+        layer_side: "PostgresStore (ClaimStrategy::InsertFirst), completed keys requested again",
+        baseline: "as pg-replay",
+        target: 0.95,
+        build: |ctx| Box::pin(build_pg_replay(ctx, ClaimStrategy::InsertFirst)),
+    },
+    Scenario {
+        name: "pg-tx",
+        layer_side: "PostgresStore transactional, new key per request; handler inserts a payment \
+                     row through IdempotentTx",
+        baseline: "BEGIN, the same payment INSERT, COMMIT (pool.begin(); no idempotency)",
+        target: 0.8,
+        build: |ctx| Box::pin(build_pg_tx(ctx)),
     },
 ];
 
@@ -231,8 +273,13 @@ async fn build_memory_new(_ctx: &Ctx) -> Result<Built, BoxError> {
 
 // --- pg-plain-new ----------------------------------------------------------------------
 
-/// The claim of a new key, written by hand: the insert of the store's CLAIM statement
-/// without the read and the takeover.
+// The hand-written SQL is the store's own (src/store/postgres.rs), copied verbatim: the
+// baselines send the statements the store sends on its cheapest path, with none of the
+// layer's code around them.
+
+/// The claim of a new key, by hand: the store's `INSERT` statement (what
+/// `ClaimStrategy::InsertFirst` and `ReadFirst` send to claim; `Combined` sends it inside its
+/// one claim statement).
 const HAND_CLAIM: &str = "
 INSERT INTO tower_idempotency_keys AS k
        (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
@@ -240,7 +287,7 @@ VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'),
         now() + $4::float8 * interval '1 millisecond',
         now() + $5::float8 * interval '1 millisecond')
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING k.lease_token";
+RETURNING k.lease_token AS inserted";
 
 /// The store's COMPLETE statement, as it is.
 const HAND_COMPLETE: &str = "
@@ -250,12 +297,17 @@ UPDATE tower_idempotency_keys
        response_status = $5, response_headers = $6, response_body = $7
  WHERE scope = $1 AND key = $2 AND lease_token = $3";
 
-/// The read of a completed key, by hand: the `cur` part of the store's CLAIM statement.
-const HAND_SELECT: &str = "
-SELECT fingerprint, lease_token, expires_at <= now() AS expired,
-       response_status, response_headers, response_body
-  FROM tower_idempotency_keys
- WHERE scope = $1 AND key = $2";
+/// The read of a completed key, by hand: the store's `READ` statement (what
+/// `ClaimStrategy::ReadFirst` sends for a replay; `Combined` reads the same inside its claim
+/// statement).
+const HAND_SELECT: &str = "SELECT fingerprint, lease_token, expires_at <= now() AS expired,
+               (expires_at <= now()
+                OR (lease_token IS NOT NULL AND lease_expires_at <= now() AND fingerprint = $3))
+                   AS claimable,
+               (extract(epoch FROM lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
+               response_status, response_headers, response_body
+          FROM tower_idempotency_keys
+         WHERE scope = $1 AND key = $2";
 
 /// The layer's defaults, in milliseconds: lease 30 s, TTL 24 h.
 const LEASE_MS: i64 = 30_000;
@@ -310,9 +362,9 @@ async fn pg_plain(pool: &PgPool, parts: &Parts, body: &Bytes) -> Result<Response
     Ok((status, headers, answer).into_response())
 }
 
-async fn build_pg_plain_new(ctx: &Ctx) -> Result<Built, BoxError> {
+async fn build_pg_plain_new(ctx: &Ctx, strategy: ClaimStrategy) -> Result<Built, BoxError> {
     let schema = PgSchema::new(ctx.args.pool).await?;
-    let store = PostgresStore::new(schema.pool.clone());
+    let store = PostgresStore::new(schema.pool.clone()).with_claim_strategy(strategy);
     store.migrate().await?;
     let baseline = Router::new()
         .route(PATH, post(pg_plain_baseline))
@@ -351,15 +403,16 @@ async fn pg_replay(pool: &PgPool, parts: &Parts, body: &Bytes) -> Result<Respons
     let Some(row) = sqlx::query(HAND_SELECT)
         .bind("")
         .bind(key)
+        .bind(&fp.as_bytes()[..])
         .fetch_optional(pool)
         .await?
     else {
         return Ok(problem(StatusCode::NOT_FOUND));
     };
     let stored_fp: Vec<u8> = row.try_get("fingerprint")?;
-    let expired: bool = row.try_get("expired")?;
+    let claimable: bool = row.try_get("claimable")?;
     let lease: Option<i64> = row.try_get("lease_token")?;
-    if expired || lease.is_some() {
+    if claimable || lease.is_some() {
         return Ok(problem(StatusCode::CONFLICT));
     }
     if stored_fp != fp.as_bytes() {
@@ -377,9 +430,9 @@ async fn pg_replay(pool: &PgPool, parts: &Parts, body: &Bytes) -> Result<Respons
     Ok(res)
 }
 
-async fn build_pg_replay(ctx: &Ctx) -> Result<Built, BoxError> {
+async fn build_pg_replay(ctx: &Ctx, strategy: ClaimStrategy) -> Result<Built, BoxError> {
     let schema = PgSchema::new(ctx.args.pool).await?;
-    let store = PostgresStore::new(schema.pool.clone());
+    let store = PostgresStore::new(schema.pool.clone()).with_claim_strategy(strategy);
     store.migrate().await?;
     let baseline = Router::new()
         .route(PATH, post(pg_replay_baseline))
@@ -411,6 +464,98 @@ async fn build_pg_replay(ctx: &Ctx) -> Result<Built, BoxError> {
         layer,
         baseline,
         keys: KeyPlan::Replay { count },
+        expect: StatusCode::CREATED,
+        schema: Some(schema),
+    })
+}
+
+// --- pg-tx -----------------------------------------------------------------------------
+
+/// The table the `pg-tx` handlers write to: what a payments endpoint records.
+const PAYMENTS_DDL: &str = "
+CREATE TABLE payments (
+    id           bigserial   PRIMARY KEY,
+    order_id     bigint      NOT NULL,
+    amount_cents bigint      NOT NULL,
+    currency     text        NOT NULL,
+    created_at   timestamptz NOT NULL DEFAULT now()
+)";
+
+/// The handler's one write, on both sides.
+const INSERT_PAYMENT: &str = "
+INSERT INTO payments (order_id, amount_cents, currency) VALUES ($1, $2, $3) RETURNING id";
+
+/// Inserts the payment row on `conn` (a transaction's connection) and returns its id.
+async fn insert_payment(conn: &mut sqlx::PgConnection) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(INSERT_PAYMENT)
+        .bind(4711_i64)
+        .bind(1999_i64)
+        .bind("EUR")
+        .fetch_one(conn)
+        .await
+}
+
+/// The payments endpoint's answer, on both sides.
+fn payment_created(id: i64, len: usize) -> Response {
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/json")],
+        format!(r#"{{"payment_id":{id},"status":"created","received":{len}}}"#),
+    )
+        .into_response()
+}
+
+/// The layer side's handler: the payment row goes into the layer's transaction, which the
+/// layer commits together with the key after this answers.
+async fn pay_in_layer_tx(Extension(tx): Extension<IdempotentTx>, body: Bytes) -> Response {
+    let id = {
+        let Ok(mut conn) = tx.conn().await else {
+            return problem(StatusCode::INTERNAL_SERVER_ERROR);
+        };
+        insert_payment(&mut conn).await
+    };
+    match id {
+        Ok(id) => payment_created(id, body.len()),
+        Err(e) => {
+            eprintln!("layer handler: {e}");
+            problem(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+    }
+}
+
+/// The baseline: the same payment row in a transaction of its own, without idempotency.
+async fn pay_in_own_tx(State(pool): State<PgPool>, body: Bytes) -> Response {
+    let paid = async {
+        let mut tx = pool.begin().await?;
+        let id = insert_payment(&mut tx).await?;
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(id)
+    };
+    match paid.await {
+        Ok(id) => payment_created(id, body.len()),
+        Err(e) => {
+            eprintln!("baseline: {e}");
+            problem(StatusCode::SERVICE_UNAVAILABLE)
+        }
+    }
+}
+
+async fn build_pg_tx(ctx: &Ctx) -> Result<Built, BoxError> {
+    let mut schema = PgSchema::new(ctx.args.pool).await?;
+    let store = PostgresStore::new(schema.pool.clone());
+    store.migrate().await?;
+    sqlx::query(PAYMENTS_DDL).execute(&schema.pool).await?;
+    schema.tables.push("payments");
+    let baseline = Router::new()
+        .route(PATH, post(pay_in_own_tx))
+        .with_state(schema.pool.clone());
+    let layer = Router::new()
+        .route(PATH, post(pay_in_layer_tx))
+        .layer(IdempotencyLayer::new(store.transactional()));
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::New,
         expect: StatusCode::CREATED,
         schema: Some(schema),
     })
@@ -457,6 +602,8 @@ struct PgSchema {
     name: String,
     admin: PgPool,
     pool: PgPool,
+    /// The tables emptied before each side of a new-key scenario.
+    tables: Vec<&'static str>,
 }
 
 impl PgSchema {
@@ -490,7 +637,12 @@ impl PgSchema {
             held.push(pool.acquire().await?);
         }
         drop(held);
-        Ok(Self { name, admin, pool })
+        Ok(Self {
+            name,
+            admin,
+            pool,
+            tables: vec!["tower_idempotency_keys"],
+        })
     }
 
     /// The process IDs of the pool's server backends (found by their application name).
@@ -507,7 +659,8 @@ impl PgSchema {
     }
 
     async fn truncate(&self) -> Result<(), BoxError> {
-        sqlx::query("TRUNCATE tower_idempotency_keys")
+        let sql = format!("TRUNCATE {}", self.tables.join(", "));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -916,8 +1069,8 @@ fn parse_args() -> Result<Args, String> {
         Args {
             scenarios: Vec::new(),
             connections: 4,
-            seconds: Duration::from_millis(300),
-            warmup: Duration::from_millis(100),
+            seconds: Duration::from_millis(100),
+            warmup: Duration::from_millis(30),
             pool: 2,
             rounds: 1,
             replay_keys: 50,

@@ -210,9 +210,9 @@ pub use mode::Mode;
 pub use rejection::Rejection;
 pub use response::{IDEMPOTENT_REPLAYED, StoredResponse};
 pub use service::Idempotency;
+pub use store::{ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, spawn_purge_task};
 #[cfg(feature = "postgres")]
 pub use store::{ClaimStrategy, PostgresStore};
-pub use store::{ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, spawn_purge_task};
 #[cfg(feature = "postgres")]
 pub use transactional::{IdempotentTx, Transactional, TxConn, TxFinished};
 

@@ -4,9 +4,13 @@
 //! Postgres and counts the frontend messages by type. sqlx uses the extended query protocol
 //! and caches prepared statements per connection, so once the connection is warm a statement
 //! is one Bind + Execute + Sync: the number of Execute (`E`) messages is the number of
-//! statements, and Parse (`P`) and simple Query (`Q`) messages stay at zero. The pool has one
-//! connection and the counts are taken between two points after it is warmed, so sqlx's own
-//! connection set-up is not counted.
+//! statements, and Parse (`P`) and simple Query (`Q`) messages stay at zero in plain mode. In
+//! transactional mode sqlx sends `BEGIN`, `COMMIT` and `ROLLBACK` as simple Queries; the proxy
+//! records their text. The pool has one connection and the counts are taken between two
+//! points after it is warmed, so sqlx's own connection set-up is not counted.
+//!
+//! Plain mode is checked with each [`ClaimStrategy`]; transactional mode against the same
+//! handler run without the layer in a transaction of its own.
 #![cfg(feature = "postgres")]
 #![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
 
@@ -27,14 +31,21 @@ use support::{Answer, Calls, PgSchema, database_url, handler, read, req};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower::{Layer, ServiceExt};
-use tower_idempotency::{IdempotencyLayer, PostgresStore};
+use tower_idempotency::{ClaimStrategy, IdempotencyLayer, IdempotentTx, PostgresStore};
 
-/// Frontend messages seen by the proxy, per message type byte.
-struct Counters([AtomicUsize; 256]);
+/// Frontend messages seen by the proxy, per message type byte, and the text of every simple
+/// Query message (sqlx sends `BEGIN`, `COMMIT` and `ROLLBACK` that way), in order.
+struct Counters {
+    by_type: [AtomicUsize; 256],
+    queries: std::sync::Mutex<Vec<String>>,
+}
 
 impl Default for Counters {
     fn default() -> Self {
-        Self(std::array::from_fn(|_| AtomicUsize::new(0)))
+        Self {
+            by_type: std::array::from_fn(|_| AtomicUsize::new(0)),
+            queries: std::sync::Mutex::default(),
+        }
     }
 }
 
@@ -58,6 +69,7 @@ impl Counts {
     fn query(&self) -> usize {
         self.of(b'Q')
     }
+
     fn since(&self, earlier: &Counts) -> Counts {
         let mut d = [0; 256];
         for (i, slot) in d.iter_mut().enumerate() {
@@ -88,6 +100,8 @@ struct FrontendParser {
     started: bool,
     header: Vec<u8>,
     skip: usize,
+    /// The body of the simple Query message being read, if one is.
+    query: Option<Vec<u8>>,
 }
 
 const SSL_REQUEST: u32 = 80_877_103;
@@ -98,8 +112,14 @@ impl FrontendParser {
         while !data.is_empty() {
             if self.skip > 0 {
                 let n = self.skip.min(data.len());
+                if let Some(q) = &mut self.query {
+                    q.extend_from_slice(&data[..n]);
+                }
                 self.skip -= n;
                 data = &data[n..];
+                if self.skip == 0 {
+                    self.finish_query(counters);
+                }
                 continue;
             }
             let header_len = if self.started { 5 } else { 8 };
@@ -112,8 +132,14 @@ impl FrontendParser {
             let be = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
             if self.started {
                 let len = usize::try_from(be(&self.header[1..5])).unwrap();
-                counters.0[usize::from(self.header[0])].fetch_add(1, Ordering::SeqCst);
+                counters.by_type[usize::from(self.header[0])].fetch_add(1, Ordering::SeqCst);
                 self.skip = len - 4;
+                if self.header[0] == b'Q' {
+                    self.query = Some(Vec::with_capacity(self.skip));
+                    if self.skip == 0 {
+                        self.finish_query(counters);
+                    }
+                }
             } else {
                 let len = usize::try_from(be(&self.header[0..4])).unwrap();
                 let code = be(&self.header[4..8]);
@@ -121,6 +147,16 @@ impl FrontendParser {
                 self.started = code != SSL_REQUEST && code != GSSENC_REQUEST;
             }
             self.header.clear();
+        }
+    }
+
+    /// Records the text of the simple Query just read (its body is a NUL-terminated string).
+    fn finish_query(&mut self, counters: &Counters) {
+        if let Some(q) = self.query.take() {
+            let text = String::from_utf8_lossy(&q)
+                .trim_end_matches('\0')
+                .to_owned();
+            counters.queries.lock().unwrap().push(text);
         }
     }
 }
@@ -158,8 +194,13 @@ impl Proxy {
 
     fn counts(&self) -> Counts {
         Counts(std::array::from_fn(|i| {
-            self.counters.0[i].load(Ordering::SeqCst)
+            self.counters.by_type[i].load(Ordering::SeqCst)
         }))
+    }
+
+    /// The texts of the simple Query messages seen so far, in order.
+    fn queries(&self) -> Vec<String> {
+        self.counters.queries.lock().unwrap().clone()
     }
 }
 
@@ -261,13 +302,66 @@ async fn the_proxy_counts_statements_on_the_wire() {
     sqlx::raw_sql("SELECT 1").execute(&pool).await.unwrap();
     let simple = proxy.counts().since(&before);
     assert_eq!((simple.query(), simple.execute()), (1, 0), "{simple:?}");
+    assert_eq!(proxy.queries().last().map(String::as_str), Some("SELECT 1"));
 
     pool.close().await;
     schema.drop_schema().await;
 }
 
+/// The statements each plain-mode path costs with one [`ClaimStrategy`].
+struct Expected {
+    first: usize,
+    replay: usize,
+    reused: usize,
+    failed: usize,
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_is_one_statement_and_a_first_request_two() {
+    // The default: claim (read + insert in one statement), complete.
+    plain_mode_counts(
+        ClaimStrategy::Combined,
+        Expected {
+            first: 2,
+            replay: 1,
+            reused: 1,
+            failed: 2,
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_first_replays_with_one_select() {
+    // Read, insert, complete; a replay or a reused key is the read alone; a 5xx releases.
+    plain_mode_counts(
+        ClaimStrategy::ReadFirst,
+        Expected {
+            first: 3,
+            replay: 1,
+            reused: 1,
+            failed: 3,
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn insert_first_claims_with_one_insert() {
+    // Insert, complete; a replay or a reused key is the conflicting insert, then the read.
+    plain_mode_counts(
+        ClaimStrategy::InsertFirst,
+        Expected {
+            first: 2,
+            replay: 2,
+            reused: 2,
+            failed: 2,
+        },
+    )
+    .await;
+}
+
+async fn plain_mode_counts(strategy: ClaimStrategy, expected: Expected) {
     let schema = PgSchema::new().await;
     let admin = schema.pool(2).await;
     PostgresStore::new(admin.clone()).migrate().await.unwrap();
@@ -276,7 +370,8 @@ async fn replay_is_one_statement_and_a_first_request_two() {
     let proxy = Proxy::start(upstream()).await;
     let pool = pool_through(&proxy, &schema).await;
     let calls = Calls::default();
-    let svc = IdempotencyLayer::new(PostgresStore::new(pool.clone())).layer(handler(calls.clone()));
+    let store = PostgresStore::new(pool.clone()).with_claim_strategy(strategy);
+    let svc = IdempotencyLayer::new(store).layer(handler(calls.clone()));
 
     // Warm the connection: every path below runs once, so its statements are prepared.
     for (path, key, body) in [
@@ -291,33 +386,202 @@ async fn replay_is_one_statement_and_a_first_request_two() {
             .unwrap();
     }
 
-    // A first request: claim, then complete.
+    // A first request.
     let (first, cost) = send(&svc, &proxy, "/ok", "k1", "body").await;
     assert_eq!(first.status, 201, "{}", first.text());
     assert!(!first.replayed());
-    assert_eq!(cost.execute(), 2, "a first request: {cost:?}");
+    assert_eq!(
+        cost.execute(),
+        expected.first,
+        "{strategy:?}, a first request: {cost:?}"
+    );
     assert_eq!((cost.parse(), cost.query()), (0, 0), "{cost:?}");
 
-    // A replay: the claim alone, which finds the completed record.
+    // A replay, which finds the completed record.
     let (again, cost) = send(&svc, &proxy, "/ok", "k1", "body").await;
     assert_eq!(again.status, 201);
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
-    assert_eq!(cost.execute(), 1, "a replay: {cost:?}");
+    assert_eq!(
+        cost.execute(),
+        expected.replay,
+        "{strategy:?}, a replay: {cost:?}"
+    );
     assert_eq!((cost.parse(), cost.query()), (0, 0), "{cost:?}");
 
-    // The key with another body: the claim alone, answered 422.
+    // The key with another body: answered 422.
     let (reused, cost) = send(&svc, &proxy, "/ok", "k1", "another body").await;
     assert_eq!(reused.status, 422);
-    assert_eq!(cost.execute(), 1, "a reused key: {cost:?}");
+    assert_eq!(
+        cost.execute(),
+        expected.reused,
+        "{strategy:?}, a reused key: {cost:?}"
+    );
 
-    // A 5xx: claim, then release.
+    // A 5xx: the claim, then the release.
     let (failed, cost) = send(&svc, &proxy, "/fail", "k2", "body").await;
     assert_eq!(failed.status, 500);
-    assert_eq!(cost.execute(), 2, "a 5xx: {cost:?}");
+    assert_eq!(
+        cost.execute(),
+        expected.failed,
+        "{strategy:?}, a 5xx: {cost:?}"
+    );
 
     // The handler ran for the first request only (and the warm-up's).
     assert_eq!(calls.get("/ok"), 2);
+
+    pool.close().await;
+    schema.drop_schema().await;
+}
+
+/// The payments table the transactional test's handler writes to.
+const PAYMENTS_DDL: &str = "
+CREATE TABLE payments (
+    id           bigserial   PRIMARY KEY,
+    amount_cents bigint      NOT NULL
+)";
+
+/// A handler that inserts one payment row and answers `201` with its id. Behind the
+/// transactional layer it writes through the request's [`IdempotentTx`]; without the layer
+/// it opens a transaction of its own on `pool` (BEGIN, the insert, COMMIT).
+fn pay_handler<B>(
+    pool: PgPool,
+) -> impl tower::Service<
+    http::Request<B>,
+    Response = http::Response<Full<Bytes>>,
+    Error = std::io::Error,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static
+where
+    B: Send + 'static,
+{
+    tower::service_fn(move |req: http::Request<B>| {
+        let pool = pool.clone();
+        async move {
+            const INSERT: &str = "INSERT INTO payments (amount_cents) VALUES ($1) RETURNING id";
+            let id: i64 = match req.extensions().get::<IdempotentTx>() {
+                Some(tx) => {
+                    let mut conn = tx.conn().await.unwrap();
+                    sqlx::query_scalar(INSERT)
+                        .bind(500_i64)
+                        .fetch_one(&mut *conn)
+                        .await
+                        .unwrap()
+                }
+                None => {
+                    let mut tx = pool.begin().await.unwrap();
+                    let id = sqlx::query_scalar(INSERT)
+                        .bind(500_i64)
+                        .fetch_one(&mut *tx)
+                        .await
+                        .unwrap();
+                    tx.commit().await.unwrap();
+                    id
+                }
+            };
+            let mut res = http::Response::new(Full::new(Bytes::from(format!("payment {id}"))));
+            *res.status_mut() = http::StatusCode::CREATED;
+            Ok(res)
+        }
+    })
+}
+
+/// Sends one request like [`send`], and also returns the simple Query messages it cost.
+async fn send_logged<S, B>(
+    svc: &S,
+    proxy: &Proxy,
+    key: &str,
+    body: &str,
+) -> (Answer, Counts, Vec<String>)
+where
+    S: tower::Service<http::Request<Full<Bytes>>, Response = http::Response<B>> + Clone,
+    S::Error: fmt::Debug,
+    B: http_body::Body<Data = Bytes>,
+    B::Error: fmt::Debug,
+{
+    let logged = proxy.queries().len();
+    let (answer, counts) = send(svc, proxy, "/pay", key, body).await;
+    let queries = proxy.queries().split_off(logged);
+    (answer, counts, queries)
+}
+
+/// Transactional mode, on the wire. What sqlx sends (observed): `BEGIN`, `COMMIT` and
+/// `ROLLBACK` are simple Query (`Q`) messages; every other statement is Bind + Execute (+ a
+/// Close of its portal) + Sync. The handler alone in its own transaction costs
+/// `BEGIN`, 1 Execute, `COMMIT`. Behind the layer the same handler costs `BEGIN`, 3 Executes
+/// (the claim, the handler's insert, the completion), `COMMIT`: two statements more, and no
+/// transaction or commit of its own. (Sync messages are not asserted: besides one per
+/// statement, sqlx sends a varying number of them to check pooled connections.) A replay is `BEGIN`, 1 Execute (the
+/// claim, which finds the completed record), `ROLLBACK`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_mode_adds_two_statements_and_no_commit() {
+    let schema = PgSchema::new().await;
+    let admin = schema.pool(2).await;
+    PostgresStore::new(admin.clone()).migrate().await.unwrap();
+    sqlx::query(PAYMENTS_DDL).execute(&admin).await.unwrap();
+    admin.close().await;
+
+    let proxy = Proxy::start(upstream()).await;
+    let pool = pool_through(&proxy, &schema).await;
+    let store = PostgresStore::new(pool.clone());
+    let plain = pay_handler::<Full<Bytes>>(pool.clone());
+    let layered = IdempotencyLayer::new(store.transactional()).layer(pay_handler(pool.clone()));
+
+    // Warm the connection: both paths once, and a replay, so every statement is prepared.
+    send(&plain, &proxy, "/pay", "warm-plain", "w").await;
+    send(&layered, &proxy, "/pay", "warm", "w").await;
+    send(&layered, &proxy, "/pay", "warm", "w").await;
+
+    // The handler alone, in a transaction of its own.
+    let (alone, alone_cost, alone_q) = send_logged(&plain, &proxy, "unused", "body").await;
+    assert_eq!(alone.status, 201, "{}", alone.text());
+    assert_eq!(alone_cost.execute(), 1, "the handler alone: {alone_cost:?}");
+    assert_eq!(alone_q, ["BEGIN", "COMMIT"], "the handler alone");
+    assert_eq!(alone_cost.parse(), 0, "{alone_cost:?}");
+
+    // The same handler behind the transactional layer, a new key: two statements more (the
+    // claim and the completion), inside the same BEGIN … COMMIT.
+    let (first, cost, first_q) = send_logged(&layered, &proxy, "k1", "body").await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(!first.replayed());
+    assert_eq!(cost.execute(), 3, "transactional, a new key: {cost:?}");
+    assert!(
+        cost.execute() - alone_cost.execute() <= 2,
+        "at most two statements more than the handler alone"
+    );
+    assert_eq!(cost.execute() - alone_cost.execute(), 2);
+    assert_eq!(
+        first_q,
+        ["BEGIN", "COMMIT"],
+        "no extra transaction or commit"
+    );
+    assert_eq!(cost.query(), alone_cost.query());
+    assert_eq!(cost.parse(), 0, "{cost:?}");
+
+    // A replay: the claim statement alone, inside BEGIN … ROLLBACK; the handler does not run.
+    let (again, replay_cost, replay_q) = send_logged(&layered, &proxy, "k1", "body").await;
+    assert_eq!(again.status, 201);
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(
+        replay_cost.execute(),
+        1,
+        "transactional replay: {replay_cost:?}"
+    );
+    assert_eq!(replay_q, ["BEGIN", "ROLLBACK"], "transactional replay");
+    assert_eq!(replay_cost.parse(), 0, "{replay_cost:?}");
+
+    // Three payments in all: the warm-up's two and the two measured first requests; the
+    // replays inserted nothing.
+    let admin = schema.pool(1).await;
+    let payments: i64 = sqlx::query_scalar("SELECT count(*) FROM payments")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(payments, 4);
+    admin.close().await;
 
     pool.close().await;
     schema.drop_schema().await;

@@ -1,7 +1,8 @@
--- What the layer sends for a request with a new key (PostgresStore, plain mode): the
--- store's CLAIM statement, then its COMPLETE statement, copied from src/store/postgres.rs.
--- Parameters: scope '' (no scope function), key :k, fingerprint FP (32 bytes), lease 30 s,
--- TTL 24 h; the answer is 201 with one header and a small JSON body.
+-- What the layer sends for a request with a new key (PostgresStore, plain mode,
+-- ClaimStrategy::Combined, the default): the store's CLAIM statement, then its COMPLETE
+-- statement, copied from src/store/postgres.rs. Parameters: scope '' (no scope function),
+-- key :k, fingerprint FP (32 bytes), lease 30 s, TTL 24 h; the answer is 201 with one header
+-- and a small JSON body.
 \set k random(1, 1000000000000)
 WITH cur AS (
     SELECT fingerprint, lease_token, expires_at <= now() AS expired,
@@ -22,27 +23,12 @@ ins AS (
      WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING k.lease_token
-),
-upd AS (
-    UPDATE tower_idempotency_keys AS k
-       SET fingerprint = '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea,
-           lease_token = nextval('tower_idempotency_lease_token_seq'),
-           lease_expires_at = now() + 30000::float8 * interval '1 millisecond',
-           expires_at = now() + 86400000::float8 * interval '1 millisecond',
-           created_at = now(), completed_at = NULL,
-           response_status = NULL, response_headers = NULL, response_body = NULL
-     WHERE k.scope = '' AND k.key = :k::text
-       AND EXISTS (SELECT 1 FROM cur WHERE cur.claimable)
-       AND (k.expires_at <= now()
-            OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= now() AND k.fingerprint = '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea))
-    RETURNING k.lease_token
 )
-SELECT ins.lease_token AS inserted, upd.lease_token AS updated,
+SELECT ins.lease_token AS inserted,
        cur.fingerprint, cur.lease_token, cur.expired, cur.claimable, cur.lease_left_ms,
        cur.response_status, cur.response_headers, cur.response_body
   FROM (SELECT 1) AS one
   LEFT JOIN ins ON true
-  LEFT JOIN upd ON true
   LEFT JOIN cur ON true
 \gset claim_
 UPDATE tower_idempotency_keys

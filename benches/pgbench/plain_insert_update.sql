@@ -1,4 +1,6 @@
--- The load harness's pg-plain-new baseline, by hand: insert the claim, then complete it.
+-- The load harness's pg-plain-new baseline, by hand: the store's INSERT (the claim of a new
+-- key), then its COMPLETE (src/store/postgres.rs, parameters inlined). It is also exactly
+-- what ClaimStrategy::InsertFirst sends for a first request.
 \set k random(1, 1000000000000)
 INSERT INTO tower_idempotency_keys AS k
        (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
@@ -6,11 +8,11 @@ VALUES ('', :k::text, '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db0225871
         now() + 30000::float8 * interval '1 millisecond',
         now() + 86400000::float8 * interval '1 millisecond')
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING k.lease_token
+RETURNING k.lease_token AS inserted
 \gset claim_
 UPDATE tower_idempotency_keys
    SET lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
        expires_at = now() + 86400000::float8 * interval '1 millisecond',
        response_status = 201, response_headers = '\x000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e'::bytea,
        response_body = convert_to('{"id":4711,"status":"created","received":1024}', 'UTF8')
- WHERE scope = '' AND key = :k::text AND lease_token = :claim_lease_token;
+ WHERE scope = '' AND key = :k::text AND lease_token = :claim_inserted;

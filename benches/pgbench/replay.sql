@@ -1,6 +1,7 @@
--- What the layer sends to replay a completed key (PostgresStore): the store's CLAIM
--- statement alone; its insert and update parts find nothing to do. Keys replay-0 ..
--- replay-(nkeys-1) were completed by run.sh; pass -D nkeys=N.
+-- What the layer sends to replay a completed key (PostgresStore, ClaimStrategy::Combined,
+-- the default): the store's CLAIM statement alone (src/store/postgres.rs, parameters
+-- inlined); its insert part finds nothing to do. Keys replay-0 .. replay-(nkeys-1) were
+-- completed by run.sh; pass -D nkeys=N.
 \set r random(0, :nkeys - 1)
 WITH cur AS (
     SELECT fingerprint, lease_token, expires_at <= now() AS expired,
@@ -21,26 +22,10 @@ ins AS (
      WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING k.lease_token
-),
-upd AS (
-    UPDATE tower_idempotency_keys AS k
-       SET fingerprint = '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea,
-           lease_token = nextval('tower_idempotency_lease_token_seq'),
-           lease_expires_at = now() + 30000::float8 * interval '1 millisecond',
-           expires_at = now() + 86400000::float8 * interval '1 millisecond',
-           created_at = now(), completed_at = NULL,
-           response_status = NULL, response_headers = NULL, response_body = NULL
-     WHERE k.scope = '' AND k.key = ('replay-' || :r::text)
-       AND EXISTS (SELECT 1 FROM cur WHERE cur.claimable)
-       AND (k.expires_at <= now()
-            OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= now() AND k.fingerprint = '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea))
-    RETURNING k.lease_token
 )
-SELECT ins.lease_token AS inserted, upd.lease_token AS updated,
+SELECT ins.lease_token AS inserted,
        cur.fingerprint, cur.lease_token, cur.expired, cur.claimable, cur.lease_left_ms,
        cur.response_status, cur.response_headers, cur.response_body
   FROM (SELECT 1) AS one
   LEFT JOIN ins ON true
-  LEFT JOIN upd ON true
-  LEFT JOIN cur ON true
-;
+  LEFT JOIN cur ON true;

@@ -11,10 +11,23 @@
 # It creates a schema of its own (dropped at the end), applies the crate's migrations there,
 # completes KEYS keys (replay-0 ...), then runs, each for SECONDS:
 #
-#   replay.sql               the store's CLAIM on a completed key (what a replay sends)
-#   select.sql               the hand-written SELECT (the pg-replay baseline)
-#   claim_complete.sql       the store's CLAIM + COMPLETE on a new key (a first request)
-#   plain_insert_update.sql  the hand-written INSERT + UPDATE (the pg-plain-new baseline)
+#   replay.sql               the store's CLAIM on a completed key (a replay, ClaimStrategy::
+#                            Combined, the default)
+#   insert_read.sql          the store's INSERT (conflicts), then its READ (a replay,
+#                            ClaimStrategy::InsertFirst)
+#   select.sql               the store's READ alone: the pg-replay baseline, and all that
+#                            ClaimStrategy::ReadFirst sends for a replay
+#   claim_complete.sql       the store's CLAIM + COMPLETE on a new key (a first request,
+#                            Combined)
+#   read_insert_complete.sql the store's READ (finds nothing), INSERT, COMPLETE (a first
+#                            request, ReadFirst)
+#   plain_insert_update.sql  the store's INSERT + COMPLETE: the pg-plain-new baseline, and
+#                            exactly what ClaimStrategy::InsertFirst sends for a first request
+#   tx_claim_insert_complete.sql  transactional mode, a new key: BEGIN, the claim (advisory
+#                            lock + lookup), a payment INSERT, the completion INSERT, COMMIT
+#   tx_insert.sql            the pg-tx baseline: BEGIN, the same payment INSERT, COMMIT
+#   tx_claim_insert.sql      (to decompose pg-tx) the transactional path without the completion
+#   tx_insert_complete.sql   (to decompose pg-tx) the transactional path without the claim
 #
 # and prints each one's transactions per second (one transaction = one request's SQL).
 set -euo pipefail
@@ -48,6 +61,14 @@ PGOPTIONS="" psql_q -c "CREATE SCHEMA $schema"
 for m in "$root"/migrations/*.sql; do
     psql_q -f "$m"
 done
+# The pg-tx handler's table (the same as in benches/load.rs).
+psql_q -c "CREATE TABLE payments (
+    id           bigserial   PRIMARY KEY,
+    order_id     bigint      NOT NULL,
+    amount_cents bigint      NOT NULL,
+    currency     text        NOT NULL,
+    created_at   timestamptz NOT NULL DEFAULT now()
+)"
 
 fill_replay_keys() {
     # The same record the layer leaves for a completed 201: fingerprint, one header, the body.
@@ -74,21 +95,40 @@ bench() {
     tps[$script]="$(echo "$out" | sed -n 's/^tps = \([0-9]*\).*/\1/p' | head -1)"
     local lat
     lat="$(echo "$out" | sed -n 's/^latency average = \(.*\)$/\1/p')"
-    printf '%-26s %10s tps   latency average %s\n' "$script" "${tps[$script]}" "$lat"
+    printf '%-30s %10s tps   latency average %s\n' "$script" "${tps[$script]}" "$lat"
 }
 
 echo "pgbench: $clients clients, $threads threads, $seconds s each, $keys replay keys, schema $schema"
 fill_replay_keys
 bench replay.sql
+bench insert_read.sql
 bench select.sql
 psql_q -c "TRUNCATE tower_idempotency_keys"
 bench claim_complete.sql
 psql_q -c "TRUNCATE tower_idempotency_keys"
+bench read_insert_complete.sql
+psql_q -c "TRUNCATE tower_idempotency_keys"
 bench plain_insert_update.sql
+psql_q -c "TRUNCATE tower_idempotency_keys, payments"
+bench tx_claim_insert_complete.sql
+psql_q -c "TRUNCATE tower_idempotency_keys, payments"
+bench tx_insert.sql
+psql_q -c "TRUNCATE tower_idempotency_keys, payments"
+bench tx_claim_insert.sql
+psql_q -c "TRUNCATE tower_idempotency_keys, payments"
+bench tx_insert_complete.sql
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", a / b }'; }
 echo
 echo "| SQL (pgbench, -c $clients) | crate's statements tps | hand-written tps | ratio |"
 echo "|---|---:|---:|---:|"
-echo "| replay: CLAIM vs SELECT | ${tps[replay.sql]} | ${tps[select.sql]} | $(ratio "${tps[replay.sql]}" "${tps[select.sql]}") |"
-echo "| new key: CLAIM+COMPLETE vs INSERT+UPDATE | ${tps[claim_complete.sql]} | ${tps[plain_insert_update.sql]} | $(ratio "${tps[claim_complete.sql]}" "${tps[plain_insert_update.sql]}") |"
+row() { echo "| $1 | ${tps[$2]} | ${tps[$3]} | $(ratio "${tps[$2]}" "${tps[$3]}") |"; }
+row "replay, Combined: CLAIM vs READ" replay.sql select.sql
+row "replay, InsertFirst: INSERT + READ vs READ" insert_read.sql select.sql
+row "replay, ReadFirst: READ vs READ (the same SQL)" select.sql select.sql
+row "new key, Combined: CLAIM + COMPLETE vs INSERT + COMPLETE" claim_complete.sql plain_insert_update.sql
+row "new key, ReadFirst: READ + INSERT + COMPLETE vs INSERT + COMPLETE" read_insert_complete.sql plain_insert_update.sql
+row "new key, InsertFirst: INSERT + COMPLETE vs INSERT + COMPLETE (the same SQL)" plain_insert_update.sql plain_insert_update.sql
+row "transactional: BEGIN + claim + INSERT + completion + COMMIT vs BEGIN + INSERT + COMMIT" tx_claim_insert_complete.sql tx_insert.sql
+row "(transactional, the claim alone: BEGIN + claim + INSERT + COMMIT vs BEGIN + INSERT + COMMIT)" tx_claim_insert.sql tx_insert.sql
+row "(transactional, the completion alone: BEGIN + INSERT + completion + COMMIT vs BEGIN + INSERT + COMMIT)" tx_insert_complete.sql tx_insert.sql

@@ -1,0 +1,25 @@
+-- What the layer sends for a new key with ClaimStrategy::ReadFirst: the store's READ (which
+-- finds nothing), its INSERT, then its COMPLETE (src/store/postgres.rs, parameters inlined).
+\set k random(1, 1000000000000)
+SELECT fingerprint, lease_token, expires_at <= now() AS expired,
+       (expires_at <= now()
+        OR (lease_token IS NOT NULL AND lease_expires_at <= now() AND fingerprint = '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea))
+           AS claimable,
+       (extract(epoch FROM lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
+       response_status, response_headers, response_body
+  FROM tower_idempotency_keys
+ WHERE scope = '' AND key = :k::text;
+INSERT INTO tower_idempotency_keys AS k
+       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
+VALUES ('', :k::text, '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea, nextval('tower_idempotency_lease_token_seq'),
+        now() + 30000::float8 * interval '1 millisecond',
+        now() + 86400000::float8 * interval '1 millisecond')
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING k.lease_token AS inserted
+\gset claim_
+UPDATE tower_idempotency_keys
+   SET lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
+       expires_at = now() + 86400000::float8 * interval '1 millisecond',
+       response_status = 201, response_headers = '\x000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e'::bytea,
+       response_body = convert_to('{"id":4711,"status":"created","received":1024}', 'UTF8')
+ WHERE scope = '' AND key = :k::text AND lease_token = :claim_inserted;
