@@ -79,13 +79,15 @@ struct Args {
     seconds: Duration,
     warmup: Duration,
     batches: Vec<usize>,
+    /// `PostgresStore::with_purge_duty_cycle` for the purge (1.0: batches back to back).
+    purge_duty: f64,
     /// `false` in the smoke run: no `CHECKPOINT` (it would wait for a neighbour's writes) and
     /// no pause for Postgres's statistics to be flushed.
     measuring: bool,
 }
 
 const USAGE: &str = "usage: cargo bench --bench scale -- [--rows N] [--expired N] [--ops N] \
-[--concurrency N] [--clients N] [--seconds S] [--warmup S] [--batches N,N…]";
+[--concurrency N] [--clients N] [--seconds S] [--warmup S] [--batches N,N…] [--purge-duty F]";
 
 fn parse_args() -> Result<Args, String> {
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -102,6 +104,7 @@ fn parse_args() -> Result<Args, String> {
             seconds: Duration::from_secs(20),
             warmup: Duration::from_secs(2),
             batches: vec![1000, 5000],
+            purge_duty: 1.0,
             measuring: true,
         }
     } else {
@@ -115,6 +118,7 @@ fn parse_args() -> Result<Args, String> {
             seconds: Duration::from_millis(200),
             warmup: Duration::from_millis(50),
             batches: vec![64],
+            purge_duty: 1.0,
             measuring: false,
         }
     };
@@ -156,6 +160,14 @@ fn parse_args() -> Result<Args, String> {
                     .split(',')
                     .map(positive)
                     .collect::<Result<_, _>>()?;
+            }
+            "--purge-duty" => {
+                let v = value(&arg)?;
+                args.purge_duty = v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|d| (0.01..=1.0).contains(d))
+                    .ok_or_else(|| format!("--purge-duty takes 0.01 to 1.0, not {v}"))?;
             }
             "-h" | "--help" => return Err(USAGE.to_owned()),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
@@ -852,7 +864,7 @@ async fn purge_run(
     );
 
     // The same load while the purge runs to completion (its own connection).
-    let purger = PostgresStore::new(db.purge_pool.clone());
+    let purger = PostgresStore::new(db.purge_pool.clone()).with_purge_duty_cycle(args.purge_duty);
     let purge_pid = db.purge_backend_pid().await?;
     let stop = Arc::new(AtomicBool::new(false));
     let tasks = start_load(store, args.clients, format!("purge{batch}"), stop.clone());
@@ -974,7 +986,10 @@ async fn run(db: &Db, args: &Args) -> Result<Report, BoxError> {
             )
             .into());
         }
-        println!("purge, batch {batch}: {expected} expired rows");
+        println!(
+            "purge, batch {batch}, duty cycle {}: {expected} expired rows",
+            args.purge_duty
+        );
         purges.push(purge_run(db, &store, args, batch, expected).await?);
     }
     Ok(Report {

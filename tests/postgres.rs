@@ -142,3 +142,29 @@ async fn records_store_headers_and_times_from_the_database_clock() {
     store.pool().close().await;
     schema.drop_schema().await;
 }
+
+#[tokio::test]
+async fn paced_purge_still_deletes_every_expired_record() {
+    use tower_idempotency::{ClaimOutcome, ClaimRequest, IdempotencyKey, fingerprint::fingerprint};
+    let schema = PgSchema::new().await;
+    let store = schema.store().await.with_purge_duty_cycle(0.5);
+    let parts = http::Request::post("/p").body(()).unwrap().into_parts().0;
+    for i in 0..5 {
+        let key = IdempotencyKey::parse(&format!("k{i}")).unwrap();
+        let claim = ClaimRequest {
+            scope: "",
+            key: &key,
+            fingerprint: fingerprint(&parts, &[], b""),
+            lease: Duration::from_secs(5),
+            ttl: Duration::from_millis(100),
+        };
+        assert!(matches!(
+            store.claim(claim).await.unwrap(),
+            ClaimOutcome::Acquired { .. }
+        ));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(store.purge_expired(2).await.unwrap(), 5);
+    store.pool().close().await;
+    schema.drop_schema().await;
+}

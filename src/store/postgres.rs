@@ -67,6 +67,7 @@ const MIGRATION_LOCK: i64 = 0x746f_7769_6465_6d31;
 pub struct PostgresStore {
     pool: PgPool,
     strategy: ClaimStrategy,
+    purge_duty: f64,
 }
 
 /// How [`PostgresStore`] claims a key: the statements a first request and a replay cost.
@@ -102,12 +103,30 @@ impl PostgresStore {
         Self {
             pool,
             strategy: ClaimStrategy::Combined,
+            purge_duty: 1.0,
         }
     }
 
     /// How a claim is sent to the database (default [`ClaimStrategy::Combined`]).
     pub fn with_claim_strategy(mut self, strategy: ClaimStrategy) -> Self {
         self.strategy = strategy;
+        self
+    }
+
+    /// The share of time [`purge_expired`](Store::purge_expired) may spend deleting, from
+    /// `0.01` to `1.0` (default `1.0`: batches back to back).
+    ///
+    /// Each batch takes database time that a busy server would otherwise give to requests.
+    /// With a duty cycle below 1, the purge pauses after each batch for as long as it makes
+    /// its share come out right (`0.1`: a batch that took 20 ms is followed by 180 ms of
+    /// rest), so a purge of a large backlog stretches over more time but takes at most that
+    /// share of a backend. Values outside the range are clamped.
+    pub fn with_purge_duty_cycle(mut self, duty: f64) -> Self {
+        self.purge_duty = if duty.is_nan() {
+            1.0
+        } else {
+            duty.clamp(0.01, 1.0)
+        };
         self
     }
 
@@ -498,6 +517,7 @@ impl Store for PostgresStore {
         let batch = i64::try_from(batch_size.max(1)).unwrap_or(i64::MAX);
         let mut deleted = 0;
         loop {
+            let started = std::time::Instant::now();
             let done = sqlx::query(PURGE)
                 .bind(batch)
                 .execute(&self.pool)
@@ -506,6 +526,10 @@ impl Store for PostgresStore {
             deleted += done.rows_affected();
             if done.rows_affected() < batch.unsigned_abs() {
                 return Ok(deleted);
+            }
+            if self.purge_duty < 1.0 {
+                let rest = started.elapsed().mul_f64(1.0 / self.purge_duty - 1.0);
+                tokio::time::sleep(rest).await;
             }
         }
     }
