@@ -13,6 +13,8 @@
 #![cfg(feature = "postgres")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::io::{BufRead as _, BufReader, Read as _};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -61,72 +63,10 @@ const PROBLEM_JSON: &str = "application/problem+json";
 // Harness: the example binary
 // ---------------------------------------------------------------------------------------------
 
-/// `target/<profile>/examples/payments`, next to `target/<profile>/deps/payments_e2e-<hash>`,
-/// built (or found up to date) once per test run.
+/// `target/<profile>/examples/payments`, built (or found up to date) once per test run.
 fn example_binary() -> &'static Path {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY.get_or_init(|| {
-        let exe = std::env::current_exe().expect("the path of the test executable");
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("the test executable lives in target/<profile>/deps");
-        build_example(profile_dir);
-        let binary = profile_dir
-            .join("examples")
-            .join(format!("payments{}", std::env::consts::EXE_SUFFIX));
-        assert!(
-            binary.is_file(),
-            "the example binary {} is missing; build it with `cargo build --example payments`",
-            binary.display()
-        );
-        binary
-    })
-}
-
-/// Runs `cargo build --example payments` into the same target directory, with the profile
-/// and features of this test, so that it is a no-op after `cargo test`.
-fn build_example(profile_dir: &Path) {
-    let mut cargo = Command::new(env!("CARGO"));
-    cargo
-        .args(["build", "--example", "payments", "--quiet"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    match profile_dir.file_name().and_then(|n| n.to_str()) {
-        Some("debug") | None => {}
-        Some("release") => {
-            cargo.arg("--release");
-        }
-        Some(profile) => {
-            cargo.args(["--profile", profile]);
-        }
-    }
-    if let Some(target_dir) = profile_dir.parent() {
-        cargo.env("CARGO_TARGET_DIR", target_dir);
-    }
-    let mut features = vec!["postgres"];
-    if cfg!(feature = "default") {
-        features.push("default");
-    }
-    if cfg!(feature = "axum") {
-        features.push("axum");
-    }
-    if cfg!(feature = "metrics") {
-        features.push("metrics");
-    }
-    cargo
-        .arg("--no-default-features")
-        .arg("--features")
-        .arg(features.join(","));
-    match cargo.output() {
-        Ok(out) if out.status.success() => {}
-        Ok(out) => panic!(
-            "`cargo build --example payments` failed ({}):\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ),
-        // No cargo at run time (tests run from an archive): use the binary as it is.
-        Err(e) => eprintln!("cannot run cargo ({e}); using the example binary as built"),
-    }
+    BINARY.get_or_init(|| support::example_path("payments"))
 }
 
 /// A running example process. Dropping it kills the process, also when a test panics.

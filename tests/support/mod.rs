@@ -324,16 +324,71 @@ impl PgDatabase {
     }
 }
 
-/// The path of an example binary built by `cargo test` (examples are built with the tests).
+/// The path of an example's binary, `target/<profile>/examples/<name>`, built once per test
+/// process with this test's profile and features (a no-op when `cargo test` built it
+/// already; `cargo test --all-targets` builds examples as tests only, so this matters).
 pub fn example_path(name: &str) -> std::path::PathBuf {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static BUILT: OnceLock<Mutex<HashMap<String, std::path::PathBuf>>> = OnceLock::new();
+    let mut built = BUILT.get_or_init(Default::default).lock().unwrap();
+    if let Some(path) = built.get(name) {
+        return path.clone();
+    }
     let exe = std::env::current_exe().unwrap();
-    // target/<profile>/deps/<test>-<hash> -> target/<profile>/examples/<name>
+    // target/<profile>/deps/<test>-<hash> -> target/<profile>
     let profile_dir = exe.parent().unwrap().parent().unwrap();
-    let path = profile_dir.join("examples").join(name);
+    build_example(name, profile_dir);
+    let path = profile_dir
+        .join("examples")
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     assert!(
-        path.exists(),
-        "{} is missing: build it with `cargo test` or `cargo build --examples`",
+        path.is_file(),
+        "the example binary {} is missing; build it with `cargo build --example {name}`",
         path.display()
     );
+    built.insert(name.to_owned(), path.clone());
     path
+}
+
+/// `cargo build --example <name>` into the same target directory, with the profile and the
+/// features of this test.
+fn build_example(name: &str, profile_dir: &std::path::Path) {
+    let mut cargo = std::process::Command::new(env!("CARGO"));
+    cargo
+        .args(["build", "--example", name, "--quiet"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => {}
+        Some("release") => {
+            cargo.arg("--release");
+        }
+        Some(profile) => {
+            cargo.args(["--profile", profile]);
+        }
+    }
+    if let Some(target_dir) = profile_dir.parent() {
+        cargo.env("CARGO_TARGET_DIR", target_dir);
+    }
+    let mut features = vec!["postgres"];
+    if cfg!(feature = "axum") {
+        features.push("axum");
+    }
+    if cfg!(feature = "metrics") {
+        features.push("metrics");
+    }
+    cargo
+        .arg("--no-default-features")
+        .arg("--features")
+        .arg(features.join(","));
+    match cargo.output() {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => panic!(
+            "`cargo build --example {name}` failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        // No cargo at run time (tests run from an archive): use the binary as it is.
+        Err(e) => eprintln!("cannot run cargo ({e}); using the example binary as built"),
+    }
 }
