@@ -11,7 +11,9 @@
 //!   nothing is stored and a retry runs the handler again;
 //! - a failed commit gives the client `503` and nothing is stored;
 //! - a concurrent duplicate gets `409` at once: the claim takes a transaction-scoped
-//!   advisory lock with `pg_try_advisory_xact_lock`, which never waits;
+//!   advisory lock with `pg_try_advisory_xact_lock`, which never waits (also when its payload
+//!   differs: the first request's fingerprint is not visible before it commits, so the
+//!   `422` comes with the retry);
 //! - a process that dies mid-request leaves nothing behind: its connection drops, Postgres
 //!   rolls back and releases the lock, and the retry runs at once (no lease to wait for).
 //!
