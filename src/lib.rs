@@ -251,3 +251,8 @@ pub mod problems {
     //! `503` with `Retry-After`: the idempotency store failed; the request was not processed
     //! and is safe to retry with the same key.
 }
+
+/// The README's examples, compiled as doc tests.
+#[cfg(all(doctest, feature = "axum", feature = "postgres"))]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
