@@ -42,7 +42,6 @@ use std::collections::hash_map::Entry;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::str::FromStr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -56,7 +55,7 @@ use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Row};
 use tokio::net::TcpStream;
 use tokio::runtime::Runtime;
@@ -593,11 +592,6 @@ async fn futures_join_all<F: Future>(futs: impl IntoIterator<Item = F>) -> Vec<F
 // Postgres: a fresh schema per scenario
 // ---------------------------------------------------------------------------------------
 
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
-}
-
 struct PgSchema {
     name: String,
     admin: PgPool,
@@ -608,23 +602,7 @@ struct PgSchema {
 
 impl PgSchema {
     async fn new(pool_size: u32) -> Result<Self, BoxError> {
-        let url = database_url();
-        let admin = PgPoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(&url)
-            .await
-            .map_err(|e| format!("cannot connect to PostgreSQL at {url}: {e}"))?;
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .subsec_nanos();
-        let name = format!("bench_{}_{nanos}", std::process::id());
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {name}")))
-            .execute(&admin)
-            .await?;
-        let opts = PgConnectOptions::from_str(&url)?
-            .application_name(&name)
-            .options([("search_path", name.as_str())]);
+        let (admin, name, opts) = common::fresh_schema("bench").await?;
         let pool = PgPoolOptions::new()
             .max_connections(pool_size)
             .min_connections(pool_size)

@@ -38,7 +38,8 @@
 //! second on a few thousand rows. `DATABASE_URL` selects the server (default the local one).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::str::FromStr;
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -47,7 +48,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 use tower_idempotency::{
     ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, PostgresStore, Store, StoredResponse,
 };
@@ -229,11 +230,6 @@ fn the_answer() -> StoredResponse {
 // Schema and bulk load
 // ---------------------------------------------------------------------------------------
 
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
-}
-
 struct Db {
     schema: String,
     admin: PgPool,
@@ -245,23 +241,7 @@ struct Db {
 
 impl Db {
     async fn new(pool_size: u32) -> Result<Db, BoxError> {
-        let url = database_url();
-        let admin = PgPoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(&url)
-            .await
-            .map_err(|e| format!("cannot connect to PostgreSQL at {url}: {e}"))?;
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .subsec_nanos();
-        let schema = format!("scale_{}_{nanos}", std::process::id());
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-            .execute(&admin)
-            .await?;
-        let opts = PgConnectOptions::from_str(&url)?
-            .application_name(&schema)
-            .options([("search_path", schema.as_str())]);
+        let (admin, schema, opts) = common::fresh_schema("scale").await?;
         let connect = |size: u32| {
             PgPoolOptions::new()
                 .max_connections(size)

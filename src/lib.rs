@@ -5,10 +5,13 @@
 //! # Quick start
 //!
 //! ```
-//! use axum::{Router, routing::post};
+//! use axum::{Extension, Router, routing::post};
 //! use tower_idempotency::{IdempotencyKey, IdempotencyLayer, MemoryStore};
 //!
-//! async fn create_payment(key: IdempotencyKey, body: String) -> (http::StatusCode, String) {
+//! async fn create_payment(
+//!     Extension(key): Extension<IdempotencyKey>, // or `key: IdempotencyKey`, feature "axum"
+//!     body: String,
+//! ) -> (http::StatusCode, String) {
 //!     // Runs once per key; retries get this exact answer back.
 //!     (http::StatusCode::CREATED, format!("paid with {key}: {body}"))
 //! }

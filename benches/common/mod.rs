@@ -25,3 +25,41 @@ pub(crate) fn created_json(len: usize) -> Bytes {
         r#"{{"id":4711,"status":"created","received":{len}}}"#
     ))
 }
+
+/// The server the Postgres benchmarks use: `DATABASE_URL`, or the local service.
+#[cfg(feature = "postgres")]
+pub(crate) fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// Creates a schema of its own, `<prefix>_<pid>_<nanos>`. Returns a one-connection admin
+/// pool (to drop the schema at the end), the schema's name, and connect options whose
+/// connections work in that schema and show its name as their `application_name`.
+#[cfg(feature = "postgres")]
+pub(crate) async fn fresh_schema(
+    prefix: &str,
+) -> Result<
+    (sqlx::PgPool, String, sqlx::postgres::PgConnectOptions),
+    Box<dyn std::error::Error + Send + Sync>,
+> {
+    use std::str::FromStr;
+    let url = database_url();
+    let admin = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(std::time::Duration::from_secs(10))
+        .connect(&url)
+        .await
+        .map_err(|e| format!("cannot connect to PostgreSQL at {url}: {e}"))?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .subsec_nanos();
+    let name = format!("{prefix}_{}_{nanos}", std::process::id());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {name}")))
+        .execute(&admin)
+        .await?;
+    let opts = sqlx::postgres::PgConnectOptions::from_str(&url)?
+        .application_name(&name)
+        .options([("search_path", name.as_str())]);
+    Ok((admin, name, opts))
+}
