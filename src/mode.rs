@@ -13,7 +13,7 @@ use crate::body::{RequestBody, ResponseBody};
 use crate::error::BoxError;
 use crate::key::IdempotencyKey;
 use crate::layer::Config;
-use crate::service::Run;
+use crate::service::run_plain;
 use crate::store::Store;
 
 /// What an [`IdempotencyLayer`](crate::IdempotencyLayer) keeps its keys in, and so how it
@@ -83,12 +83,7 @@ mod private {
             ResBody: Body<Data = Bytes> + Send + 'static,
             ResBody::Error: Send + 'static,
         {
-            Run {
-                store: self,
-                config: keyed.config,
-                key: keyed.key,
-            }
-            .run(inner, req)
+            run_plain(self, keyed, inner, req)
         }
     }
 }

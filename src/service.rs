@@ -224,12 +224,6 @@ pub(crate) fn log_store_error(err: &StoreError, what: &'static str) {
     );
 }
 
-pub(crate) struct Run<St> {
-    pub(crate) store: St,
-    pub(crate) config: Arc<Config>,
-    pub(crate) key: IdempotencyKey,
-}
-
 /// A request body read in full: its chunks (not copied), trailers and fingerprint input.
 pub(crate) struct Buffered {
     pub(crate) chunks: Chunks,
@@ -242,114 +236,116 @@ enum Collected<B: Body> {
     Failed(Chunks, B::Error),
 }
 
-impl<St: Store> Run<St> {
-    pub(crate) async fn run<S, ReqBody, ResBody>(
-        self,
-        mut inner: S,
-        req: Request<ReqBody>,
-    ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
-    where
-        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
-        ReqBody: Body<Data = Bytes>,
-        ReqBody::Error: Into<BoxError>,
-        ResBody: Body<Data = Bytes>,
-    {
-        let config = &self.config;
-        let Prepared {
-            mut parts,
+/// Plain mode: claim the key in the store, run the handler, store its answer.
+pub(crate) async fn run_plain<St, S, ReqBody, ResBody>(
+    store: St,
+    keyed: Keyed,
+    mut inner: S,
+    req: Request<ReqBody>,
+) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+where
+    St: Store,
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ReqBody: Body<Data = Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes>,
+{
+    let Keyed { config, key } = keyed;
+    let config = &*config;
+    let Prepared {
+        mut parts,
+        scope,
+        fingerprint,
+        buffered,
+    } = match prepare(config, req).await {
+        Ok(prepared) => prepared,
+        Err(rejected) => return Ok(rejected),
+    };
+    let claim = ClaimRequest {
+        scope: &scope,
+        key: &key,
+        fingerprint,
+        lease: config.lease,
+        ttl: config.ttl,
+    };
+    let (token, takeover) = match store.claim(claim).await {
+        Ok(ClaimOutcome::Acquired { token, takeover }) => (token, takeover),
+        Ok(ClaimOutcome::Completed(stored)) => {
+            record(Outcome::Replayed);
+            return Ok(replay(config, stored));
+        }
+        Ok(ClaimOutcome::InFlight { retry_after }) => {
+            record(Outcome::InFlight);
+            return Ok(render(config, &Rejection::InFlight { retry_after }));
+        }
+        Ok(ClaimOutcome::Mismatch) => {
+            record(Outcome::Mismatch);
+            return Ok(render(config, &Rejection::KeyReused));
+        }
+        Err(err) => {
+            record(Outcome::StoreError);
+            log_store_error(&err, "claim a key; answered 503");
+            return Ok(render(config, &Rejection::StoreUnavailable));
+        }
+    };
+    record(if takeover {
+        Outcome::Takeover
+    } else {
+        Outcome::Executed
+    });
+
+    // From here the key is ours. If this future is dropped (client gone) or unwinds (the
+    // handler panicked), the guard releases the key so a retry is not locked out.
+    let mut guard = ReleaseGuard {
+        held: Some(Held {
+            store,
             scope,
-            fingerprint,
-            buffered,
-        } = match prepare(config, req).await {
-            Ok(prepared) => prepared,
-            Err(rejected) => return Ok(rejected),
-        };
-        let claim = ClaimRequest {
-            scope: &scope,
-            key: &self.key,
-            fingerprint,
-            lease: config.lease,
-            ttl: config.ttl,
-        };
-        let (token, takeover) = match self.store.claim(claim).await {
-            Ok(ClaimOutcome::Acquired { token, takeover }) => (token, takeover),
-            Ok(ClaimOutcome::Completed(stored)) => {
-                record(Outcome::Replayed);
-                return Ok(replay(config, stored));
-            }
-            Ok(ClaimOutcome::InFlight { retry_after }) => {
-                record(Outcome::InFlight);
-                return Ok(render(config, &Rejection::InFlight { retry_after }));
-            }
-            Ok(ClaimOutcome::Mismatch) => {
-                record(Outcome::Mismatch);
-                return Ok(render(config, &Rejection::KeyReused));
-            }
-            Err(err) => {
-                record(Outcome::StoreError);
-                log_store_error(&err, "claim a key; answered 503");
-                return Ok(render(config, &Rejection::StoreUnavailable));
-            }
-        };
-        record(if takeover {
-            Outcome::Takeover
-        } else {
-            Outcome::Executed
-        });
+            key: key.clone(),
+            token,
+        }),
+    };
+    parts.extensions.insert(key);
+    let req = Request::from_parts(
+        parts,
+        RequestBody::buffered(buffered.chunks, buffered.trailers),
+    );
 
-        // From here the key is ours. If this future is dropped (client gone) or unwinds (the
-        // handler panicked), the guard releases the key so a retry is not locked out.
-        let mut guard = ReleaseGuard {
-            held: Some(Held {
-                store: self.store.clone(),
-                scope,
-                key: self.key.clone(),
-                token,
-            }),
-        };
-        parts.extensions.insert(self.key.clone());
-        let req = Request::from_parts(
-            parts,
-            RequestBody::buffered(buffered.chunks, buffered.trailers),
-        );
-
-        let work = async {
-            let response = inner.call(req).await?;
-            Ok(to_store(config, response).await)
-        };
-        let outcome = renewing(work, &guard, config.lease).await;
-        match outcome {
-            Ok((response, Some(stored))) => {
-                // The handler's work is done: from here on, a dropped request must not release
-                // the key (a retry would run the handler twice). The answer is stored by a task
-                // of its own, which finishes even if this future is dropped while waiting.
-                if let Some(held) = guard.held.take() {
-                    let ttl = config.ttl;
-                    let mut completion = Box::pin(async move { held.complete(&stored, ttl).await });
-                    // Most stores finish at the first poll (the memory store always does);
-                    // only a pending completion moves to a task of its own.
-                    let first = poll_fn(|cx| Poll::Ready(completion.as_mut().poll(cx))).await;
-                    if first.is_pending()
-                        && let Err(e) = tokio::spawn(completion).await
-                    {
-                        tracing::error!(
-                            error = &e as &dyn std::error::Error,
-                            "storing the answer panicked"
-                        );
-                    }
+    let work = async {
+        let response = inner.call(req).await?;
+        Ok(to_store(config, response).await)
+    };
+    let outcome = renewing(work, &guard, config.lease).await;
+    match outcome {
+        Ok((response, Some(stored))) => {
+            // The handler's work is done: from here on, a dropped request must not release
+            // the key (a retry would run the handler twice). The answer is stored by a task
+            // of its own, which finishes even if this future is dropped while waiting.
+            if let Some(held) = guard.held.take() {
+                let ttl = config.ttl;
+                let mut completion = Box::pin(async move { held.complete(&stored, ttl).await });
+                // Most stores finish at the first poll (the memory store always does);
+                // only a pending completion moves to a task of its own.
+                let first = poll_fn(|cx| Poll::Ready(completion.as_mut().poll(cx))).await;
+                if first.is_pending()
+                    && let Err(e) = tokio::spawn(completion).await
+                {
+                    tracing::error!(
+                        error = &e as &dyn std::error::Error,
+                        "storing the answer panicked"
+                    );
                 }
-                Ok(response)
             }
-            // A 5xx, a failed response body, or a handler error: nothing is stored and the
-            // key is released, so a retry runs the handler again.
-            Ok((response, None)) => {
-                guard.release().await;
-                Ok(response)
-            }
-            Err(err) => {
-                guard.release().await;
-                Err(err)
-            }
+            Ok(response)
+        }
+        // A 5xx, a failed response body, or a handler error: nothing is stored and the
+        // key is released, so a retry runs the handler again.
+        Ok((response, None)) => {
+            guard.release().await;
+            Ok(response)
+        }
+        Err(err) => {
+            guard.release().await;
+            Err(err)
         }
     }
 }

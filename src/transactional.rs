@@ -68,7 +68,7 @@ use crate::service::{
     Outcome, Prepared, log_store_error, prepare, record, render, replay, to_store,
 };
 use crate::store::PostgresStore;
-use crate::store::postgres::{decode_response, millis};
+use crate::store::postgres::{decode_response, millis, status_column};
 
 /// A [`PostgresStore`] in transactional mode; made by
 /// [`PostgresStore::transactional`]. Use it as the layer's store:
@@ -329,17 +329,20 @@ impl Sealed for Transactional {
             );
             return Ok(render(&config, &Rejection::StoreUnavailable));
         };
-        let status = i16::try_from(stored.status().as_u16()).unwrap_or(i16::MAX);
-        let completed = sqlx::query(TX_COMPLETE)
-            .bind(&scope)
-            .bind(key.as_str())
-            .bind(&fingerprint.as_bytes()[..])
-            .bind(millis(config.ttl))
-            .bind(status)
-            .bind(stored.encode_headers())
-            .bind(stored.body().map(|b| &b[..]))
-            .execute(&mut *tx)
-            .await;
+        let completed = match status_column(&stored) {
+            Ok(status) => sqlx::query(TX_COMPLETE)
+                .bind(&scope)
+                .bind(key.as_str())
+                .bind(&fingerprint.as_bytes()[..])
+                .bind(millis(config.ttl))
+                .bind(status)
+                .bind(stored.encode_headers())
+                .bind(stored.body().map(|b| &b[..]))
+                .execute(&mut *tx)
+                .await
+                .map_err(StoreError::from),
+            Err(e) => Err(e),
+        };
         match completed {
             Ok(done) if done.rows_affected() == 1 => {}
             Ok(_) => {
@@ -356,7 +359,7 @@ impl Sealed for Transactional {
             Err(e) => {
                 rollback(Some(tx)).await;
                 return Ok(unavailable(
-                    e.into(),
+                    e,
                     "store the answer; rolled back, answered 503",
                 ));
             }

@@ -394,6 +394,12 @@ fn acquired(token: i64, takeover: bool) -> ClaimOutcome {
     }
 }
 
+/// The `response_status` column's value (`smallint`; any HTTP status fits).
+pub(crate) fn status_column(response: &StoredResponse) -> Result<i16, StoreError> {
+    i16::try_from(response.status().as_u16())
+        .map_err(|_| StoreError::Corrupt("status out of range".into()))
+}
+
 /// Reads the stored response of a completed record from `row`.
 pub(crate) fn decode_response(row: &PgRow) -> Result<StoredResponse, StoreError> {
     let status: Option<i16> = row.try_get("response_status")?;
@@ -463,8 +469,7 @@ impl Store for PostgresStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let status = i16::try_from(response.status().as_u16())
-            .map_err(|_| StoreError::Corrupt("status out of range".into()))?;
+        let status = status_column(response)?;
         let done = sqlx::query(COMPLETE)
             .bind(scope)
             .bind(key.as_str())
