@@ -42,6 +42,17 @@
 //! (The `IdempotentTx` extractor needs the `axum` feature; without it, read the
 //! [`IdempotentTx`] from the request's extensions.)
 //!
+//! # Round trips
+//!
+//! A new key costs the same round trips as the handler's own transaction would: the claim
+//! travels in one message with `BEGIN` and the completion in one message with `COMMIT`
+//! (simple-query batches; the key, the scope and the answer are written into them as
+//! escaped string and hex constants). A replay costs two: the claim, which finds the record
+//! and ends, and the read of the record. After the commit, the completion's batch opens an
+//! empty transaction that sqlx rolls back as the connection returns to the pool (it keeps
+//! sqlx's count of open transactions true; see `completion_batch` in the source). The claim
+//! is the function `tower_idempotency_claim_in_tx` that [`PostgresStore::migrate`] creates.
+//!
 //! Each keyed request holds one pooled connection for as long as its handler runs: size the
 //! pool for the concurrency of your idempotent routes. Work that leaves the database (a call to
 //! a payment provider) is not rolled back; pass it a [derived key](crate::IdempotencyKey::derive)
@@ -55,7 +66,7 @@ use http::{Request, Response};
 use http_body::Body;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, Postgres, Row, Transaction};
+use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use tower_service::Service;
 
@@ -68,7 +79,7 @@ use crate::service::{
     Outcome, Prepared, log_store_error, prepare, record, render, replay, to_store,
 };
 use crate::store::PostgresStore;
-use crate::store::postgres::{decode_response, millis, status_column};
+use crate::store::postgres::{db_error, decode_response, millis, status_column};
 
 /// A [`PostgresStore`] in transactional mode; made by
 /// [`PostgresStore::transactional`]. Use it as the layer's store:
@@ -142,37 +153,26 @@ impl std::fmt::Debug for IdempotentTx {
     }
 }
 
-/// The lock and the record in one statement. `pg_try_advisory_xact_lock` never waits: a
-/// concurrent duplicate learns at once that the key is taken. Advisory locks are global to
-/// the database, so the lock id mixes in the table's oid: stores in two schemas of one
-/// database never block each other. The record is read with the
-/// statement's snapshot, taken before the lock; the rare request that reads it just before
-/// another commits is caught by [`TX_COMPLETE`], whose insert then conflicts.
-const TX_CLAIM: &str = "
-SELECT pg_try_advisory_xact_lock($1 # 'tower_idempotency_keys'::regclass::oid::bigint) AS locked,
-       k.fingerprint, k.lease_token,
+/// What the claim found when the key was not free, read after its batch failed: the record
+/// (plain `SELECT`, outside any transaction).
+const TX_READ: &str = "
+SELECT k.fingerprint, k.lease_token,
        (extract(epoch FROM k.lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
        k.response_status, k.response_headers, k.response_body
-  FROM (SELECT 1) AS one
-  LEFT JOIN tower_idempotency_keys AS k
-         ON k.scope = $2 AND k.key = $3 AND k.expires_at > now()";
+  FROM tower_idempotency_keys AS k
+ WHERE k.scope = $1 AND k.key = $2 AND k.expires_at > now()";
 
-/// Stores the answer in the request's transaction. It replaces only an expired record or an
-/// abandoned plain-mode claim; a live record (a concurrent request that committed first)
-/// leaves it unchanged, and the transaction is rolled back.
-const TX_COMPLETE: &str = "
-INSERT INTO tower_idempotency_keys AS k
-       (scope, key, fingerprint, expires_at, completed_at,
-        response_status, response_headers, response_body)
-VALUES ($1, $2, $3, now() + $4::float8 * interval '1 millisecond', now(), $5, $6, $7)
-ON CONFLICT (scope, key) DO UPDATE
-   SET fingerprint = EXCLUDED.fingerprint, lease_token = NULL, lease_expires_at = NULL,
-       expires_at = EXCLUDED.expires_at, created_at = now(), completed_at = now(),
-       response_status = EXCLUDED.response_status,
-       response_headers = EXCLUDED.response_headers,
-       response_body = EXCLUDED.response_body
- WHERE k.expires_at <= now()
-    OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= now())";
+/// SQLSTATEs raised by the claim function (`migrations/0003_transactional_claim.sql`).
+const IN_FLIGHT: &str = "TI001";
+const HAS_RECORD: &str = "TI002";
+
+/// The keys table's primary key: the completion's insert violates it when a plain-mode
+/// request claimed the key after this transaction's claim looked.
+const KEYS_PKEY: &str = "tower_idempotency_keys_pkey";
+
+/// How often a claim whose record vanished between the batch and the read (expired and
+/// purged in that instant) is tried again before answering "in flight".
+const CLAIM_ATTEMPTS: usize = 3;
 
 /// The advisory lock of a (scope, key): 64 bits of its SHA-256.
 fn lock_id(scope: &str, key: &str) -> i64 {
@@ -187,33 +187,194 @@ fn lock_id(scope: &str, key: &str) -> i64 {
     i64::from_be_bytes(first)
 }
 
-enum Found {
-    Free,
+/// A claim that found the key taken.
+enum Taken {
+    /// Another transaction holds it.
     Locked,
     Mismatch,
+    /// A plain-mode request holds it for this long.
     InFlight(Duration),
     Completed(StoredResponse),
 }
 
-fn found(row: &PgRow, fingerprint: &[u8]) -> Result<Found, StoreError> {
-    if !row.try_get::<bool, _>("locked")? {
-        return Ok(Found::Locked);
-    }
-    let Some(fp) = row.try_get::<Option<Vec<u8>>, _>("fingerprint")? else {
-        return Ok(Found::Free);
+/// What [`TX_READ`] found: the key taken, or (`None`) free again.
+fn classify(row: Option<&PgRow>, fingerprint: &[u8]) -> Result<Option<Taken>, StoreError> {
+    let Some(row) = row else {
+        return Ok(None);
     };
+    let fp: Vec<u8> = row.try_get("fingerprint")?;
     if fp != fingerprint {
-        return Ok(Found::Mismatch);
+        return Ok(Some(Taken::Mismatch));
     }
     if row.try_get::<Option<i64>, _>("lease_token")?.is_some() {
         // A plain-mode claim on the same table: live, or abandoned by a dead process.
         let left = row.try_get::<Option<i64>, _>("lease_left_ms")?.unwrap_or(0);
         return Ok(match u64::try_from(left) {
-            Ok(ms) if ms > 0 => Found::InFlight(Duration::from_millis(ms)),
-            _ => Found::Free,
+            Ok(ms) if ms > 0 => Some(Taken::InFlight(Duration::from_millis(ms))),
+            _ => None,
         });
     }
-    Ok(Found::Completed(decode_response(row)?))
+    Ok(Some(Taken::Completed(decode_response(row)?)))
+}
+
+/// The SQLSTATE of a database error.
+fn sqlstate(err: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
+    err.as_database_error().and_then(|db| db.code())
+}
+
+/// Appends `bytes` to `sql` as an expression of type `bytea`. Only hex digits are copied into
+/// the statement, so no value can change its meaning.
+fn push_bytea(sql: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    sql.reserve(bytes.len() * 2 + 24);
+    sql.push_str("decode('");
+    for &b in bytes {
+        sql.push(char::from(HEX[usize::from(b >> 4)]));
+        sql.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+    sql.push_str("','hex')");
+}
+
+/// Appends `text` to `sql` as a string constant, `E'…'` with quotes and backslashes doubled.
+///
+/// An escape-string constant reads the same whatever `standard_conforming_strings` says, and
+/// sqlx always sets `client_encoding` to UTF-8, in which no byte of a multibyte character is
+/// a quote or a backslash. A NUL would end the statement early (the protocol's strings are
+/// NUL-terminated); Postgres text cannot hold one anyway, so it is an error here too. (Hex
+/// with `convert_from` would need no escaping, but costs the server milliseconds per call.)
+fn push_text(sql: &mut String, text: &str) -> Result<(), StoreError> {
+    if text.contains('\0') {
+        return Err(StoreError::backend(
+            "a scope or key contains a NUL character",
+        ));
+    }
+    sql.reserve(text.len() + 3);
+    sql.push_str("E'");
+    for c in text.chars() {
+        match c {
+            '\'' => sql.push_str("''"),
+            '\\' => sql.push_str("\\\\"),
+            c => sql.push(c),
+        }
+    }
+    sql.push('\'');
+    Ok(())
+}
+
+/// The claim batch: the claim first, then `BEGIN`. Both run in one transaction: the claim in
+/// the implicit transaction of the simple query, which `BEGIN` turns into the explicit one
+/// (keeping its advisory lock). When the claim raises, `BEGIN` never runs and the
+/// connection is left outside any transaction, as the pool expects it.
+fn claim_batch(scope: &str, key: &str, fingerprint: &[u8]) -> Result<String, StoreError> {
+    let mut sql = String::with_capacity(160 + 4 * (scope.len() + key.len() + fingerprint.len()));
+    sql.push_str("SELECT tower_idempotency_claim_in_tx(");
+    sql.push_str(&lock_id(scope, key).to_string());
+    sql.push(',');
+    push_text(&mut sql, scope)?;
+    sql.push(',');
+    push_text(&mut sql, key)?;
+    sql.push(',');
+    push_bytea(&mut sql, fingerprint);
+    sql.push_str("); BEGIN");
+    Ok(sql)
+}
+
+/// The completion batch: the answer inserted, `COMMIT`, then `BEGIN` of an empty transaction.
+///
+/// The claim deleted any stale record, so a plain `INSERT` stores the answer; should a
+/// plain-mode request on the same table have claimed the key since, the insert violates the
+/// primary key, the rest of the batch is skipped and nothing commits.
+///
+/// sqlx's `Transaction` counts the transactions it opened; once the `COMMIT` ran inside the
+/// batch it would still count this one as open, and roll it back when dropped. The trailing
+/// `BEGIN` opens the (empty) transaction that rollback ends: it takes no snapshot and no
+/// transaction id, and sqlx flushes the rollback as the connection goes back to the pool,
+/// off the request's path. If the insert or the commit fails, the rest of the batch is
+/// skipped and that same rollback ends the failed transaction.
+fn completion_batch(
+    scope: &str,
+    key: &str,
+    fingerprint: &[u8],
+    ttl: Duration,
+    stored: &StoredResponse,
+) -> Result<String, StoreError> {
+    let status = status_column(stored)?;
+    let headers = stored.encode_headers();
+    let body = stored.body();
+    let body_len = body.map_or(0, |b| b.len());
+    let mut sql = String::with_capacity(
+        400 + 2 * (scope.len() + key.len() + fingerprint.len() + headers.len() + body_len),
+    );
+    sql.push_str(
+        "INSERT INTO tower_idempotency_keys (scope, key, fingerprint, expires_at, \
+         completed_at, response_status, response_headers, response_body) VALUES (",
+    );
+    push_text(&mut sql, scope)?;
+    sql.push(',');
+    push_text(&mut sql, key)?;
+    sql.push(',');
+    push_bytea(&mut sql, fingerprint);
+    sql.push_str(",now()+");
+    sql.push_str(&millis(ttl).to_string());
+    sql.push_str("*interval '1 millisecond',now(),");
+    sql.push_str(&status.to_string());
+    sql.push(',');
+    push_bytea(&mut sql, &headers);
+    sql.push(',');
+    match body {
+        Some(body) => push_bytea(&mut sql, body),
+        None => sql.push_str("NULL"),
+    }
+    sql.push_str("); COMMIT; BEGIN");
+    Ok(sql)
+}
+
+/// Whether `err` says that the completion's insert found the key's record taken.
+fn stored_first(err: &sqlx::Error) -> bool {
+    err.as_database_error()
+        .is_some_and(|db| db.is_unique_violation() && db.constraint() == Some(KEYS_PKEY))
+}
+
+/// Opens the request's transaction with the key claimed in it (`Ok(Ok(tx))`), or says who
+/// holds the key (`Ok(Err(taken))`).
+async fn claim(
+    store: &PostgresStore,
+    scope: &str,
+    key: &str,
+    fingerprint: &[u8],
+) -> Result<Result<Transaction<'static, Postgres>, Taken>, StoreError> {
+    let batch = claim_batch(scope, key, fingerprint)?;
+    for _ in 0..CLAIM_ATTEMPTS {
+        // In a task of its own: if the request is dropped while the batch is in flight, the
+        // task still finishes it, and the transaction it opened is rolled back when the task's
+        // output is dropped. (A `begin` dropped half-way would put a connection back into the
+        // pool with a transaction open that sqlx does not know about.)
+        let pool = store.pool().clone();
+        let statement = AssertSqlSafe(batch.clone());
+        let begun = tokio::spawn(async move { pool.begin_with(statement).await })
+            .await
+            .map_err(StoreError::backend)?;
+        let err = match begun {
+            Ok(tx) => return Ok(Ok(tx)),
+            Err(err) => err,
+        };
+        match sqlstate(&err).as_deref() {
+            Some(IN_FLIGHT) => return Ok(Err(Taken::Locked)),
+            Some(HAS_RECORD) => {}
+            _ => return Err(db_error(err)),
+        }
+        let row = sqlx::query(TX_READ)
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(store.pool())
+            .await
+            .map_err(db_error)?;
+        if let Some(taken) = classify(row.as_ref(), fingerprint)? {
+            return Ok(Err(taken));
+        }
+        // Expired (or abandoned) between the batch and the read: claim again.
+    }
+    Ok(Err(Taken::Locked))
 }
 
 async fn rollback(tx: Option<Transaction<'static, Postgres>>) {
@@ -259,43 +420,32 @@ impl Sealed for Transactional {
             render(&config, &Rejection::StoreUnavailable)
         };
 
-        let mut tx = match self.store.pool().begin().await {
-            Ok(tx) => tx,
-            Err(e) => return Ok(unavailable(e.into(), "begin a transaction; answered 503")),
+        let claimed = claim(&self.store, &scope, key.as_str(), fingerprint.as_bytes()).await;
+        let tx = match claimed {
+            Ok(Ok(tx)) => tx,
+            Ok(Err(taken)) => {
+                return Ok(match taken {
+                    Taken::Locked => {
+                        record(Outcome::InFlight);
+                        let retry_after = Duration::from_secs(1);
+                        render(&config, &Rejection::InFlight { retry_after })
+                    }
+                    Taken::InFlight(retry_after) => {
+                        record(Outcome::InFlight);
+                        render(&config, &Rejection::InFlight { retry_after })
+                    }
+                    Taken::Mismatch => {
+                        record(Outcome::Mismatch);
+                        render(&config, &Rejection::KeyReused)
+                    }
+                    Taken::Completed(stored) => {
+                        record(Outcome::Replayed);
+                        replay(&config, stored)
+                    }
+                });
+            }
+            Err(e) => return Ok(unavailable(e, "claim a key; answered 503")),
         };
-        let claimed = sqlx::query(TX_CLAIM)
-            .bind(lock_id(&scope, key.as_str()))
-            .bind(&scope)
-            .bind(key.as_str())
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(crate::store::postgres::db_error)
-            .and_then(|row| found(&row, fingerprint.as_bytes()));
-        let answered = match claimed {
-            Ok(Found::Free) => None,
-            Ok(Found::Locked) => {
-                record(Outcome::InFlight);
-                let retry_after = Duration::from_secs(1);
-                Some(render(&config, &Rejection::InFlight { retry_after }))
-            }
-            Ok(Found::InFlight(retry_after)) => {
-                record(Outcome::InFlight);
-                Some(render(&config, &Rejection::InFlight { retry_after }))
-            }
-            Ok(Found::Mismatch) => {
-                record(Outcome::Mismatch);
-                Some(render(&config, &Rejection::KeyReused))
-            }
-            Ok(Found::Completed(stored)) => {
-                record(Outcome::Replayed);
-                Some(replay(&config, stored))
-            }
-            Err(e) => Some(unavailable(e, "claim a key; answered 503")),
-        };
-        if let Some(answer) = answered {
-            rollback(Some(tx)).await;
-            return Ok(answer);
-        }
         record(Outcome::Executed);
 
         // From here a drop (client gone, panic) drops the transaction: sqlx rolls it back
@@ -329,51 +479,78 @@ impl Sealed for Transactional {
             );
             return Ok(render(&config, &Rejection::StoreUnavailable));
         };
-        let completed = match status_column(&stored) {
-            Ok(status) => sqlx::query(TX_COMPLETE)
-                .bind(&scope)
-                .bind(key.as_str())
-                .bind(&fingerprint.as_bytes()[..])
-                .bind(millis(config.ttl))
-                .bind(status)
-                .bind(stored.encode_headers())
-                .bind(stored.body().map(|b| &b[..]))
+        let completed = match completion_batch(
+            &scope,
+            key.as_str(),
+            fingerprint.as_bytes(),
+            config.ttl,
+            &stored,
+        ) {
+            Ok(batch) => sqlx::raw_sql(AssertSqlSafe(batch))
                 .execute(&mut *tx)
                 .await
-                .map_err(StoreError::from),
-            Err(e) => Err(e),
+                .map_err(|e| {
+                    if stored_first(&e) {
+                        None
+                    } else {
+                        Some(db_error(e))
+                    }
+                }),
+            Err(e) => Err(Some(e)),
         };
+        // Committed or failed, the batch leaves an empty or a failed transaction for `tx`'s
+        // drop to roll back (see `completion_batch`).
+        drop(tx);
         match completed {
-            Ok(done) if done.rows_affected() == 1 => {}
-            Ok(_) => {
-                // Another request with this key committed first (see TX_CLAIM).
-                rollback(Some(tx)).await;
+            Ok(_) => Ok(response),
+            Err(None) => {
+                // A plain-mode request on the same table claimed the key in the meantime.
                 record(Outcome::InFlight);
-                return Ok(render(
+                Ok(render(
                     &config,
                     &Rejection::InFlight {
                         retry_after: Duration::from_secs(1),
                     },
-                ));
+                ))
             }
-            Err(e) => {
-                rollback(Some(tx)).await;
-                return Ok(unavailable(
-                    e,
-                    "store the answer; rolled back, answered 503",
-                ));
-            }
+            Err(Some(e)) => Ok(unavailable(
+                e,
+                "store the answer and commit; rolled back, answered 503",
+            )),
         }
-        if let Err(e) = tx.commit().await {
-            return Ok(unavailable(e.into(), "commit; answered 503"));
-        }
-        Ok(response)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn constants_are_escaped() {
+        let mut sql = String::new();
+        push_text(&mut sql, r"it's a \ back'slash").unwrap();
+        assert_eq!(sql, r"E'it''s a \\ back''slash'");
+        let mut sql = String::new();
+        push_bytea(&mut sql, &[0x00, 0x7f, 0xff, b'\'']);
+        assert_eq!(sql, "decode('007fff27','hex')");
+        assert!(push_text(&mut String::new(), "nul\0").is_err());
+    }
+
+    #[test]
+    fn batches_end_as_the_transaction_bookkeeping_expects() {
+        let claim = claim_batch("t", "k", &[1, 2]).unwrap();
+        assert!(claim.starts_with("SELECT tower_idempotency_claim_in_tx("));
+        assert!(claim.ends_with("); BEGIN"));
+        let stored = StoredResponse::new(
+            http::StatusCode::CREATED,
+            http::HeaderMap::new(),
+            Bytes::from_static(b"{}"),
+        );
+        let done = completion_batch("t", "k", &[1, 2], Duration::from_secs(1), &stored).unwrap();
+        assert!(done.starts_with("INSERT INTO tower_idempotency_keys "));
+        assert!(done.contains(",now()+1000*interval '1 millisecond',now(),201,"));
+        assert!(done.ends_with(",decode('7b7d','hex')); COMMIT; BEGIN"));
+    }
 
     #[test]
     fn lock_ids_separate_scope_and_key() {

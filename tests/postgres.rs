@@ -27,7 +27,7 @@ async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(versions, 2);
+    assert_eq!(versions, 3);
     // The crate's history lives in its own table, not in sqlx's `_sqlx_migrations`.
     let (sqlx_table,): (Option<String>,) =
         sqlx::query_as("SELECT to_regclass('_sqlx_migrations')::text")

@@ -60,6 +60,21 @@ impl Fx {
     ) -> impl Fn(Request<Full<Bytes>>) -> std::pin::Pin<Box<dyn Future<Output = Answer> + Send>>
     + Clone
     + use<> {
+        self.app_with(|layer| layer)
+    }
+
+    /// [`Fx::app`] with the layer configured by `configure`.
+    fn app_with<F>(
+        &self,
+        configure: F,
+    ) -> impl Fn(Request<Full<Bytes>>) -> std::pin::Pin<Box<dyn Future<Output = Answer> + Send>>
+    + Clone
+    + use<F>
+    where
+        F: FnOnce(
+            IdempotencyLayer<tower_idempotency::Transactional>,
+        ) -> IdempotencyLayer<tower_idempotency::Transactional>,
+    {
         let admin = self.admin.clone();
         let handler = tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
             let admin = admin.clone();
@@ -101,7 +116,7 @@ impl Fx {
                 Ok::<_, std::io::Error>(res)
             }
         });
-        let svc = IdempotencyLayer::new(self.store.transactional()).layer(handler);
+        let svc = configure(IdempotencyLayer::new(self.store.transactional())).layer(handler);
         move |r| {
             let svc = svc.clone();
             Box::pin(async move { read(svc.oneshot(r).await.unwrap()).await })
@@ -124,7 +139,7 @@ async fn key_and_writes_commit_together_and_repeats_replay() {
     assert_eq!((fx.payments().await, fx.keys().await), (1, 1));
     for _ in 0..2 {
         let again = app(req("POST", "/pay", Some("k"), "b")).await;
-        assert!(again.replayed());
+        assert!(again.replayed(), "{} {}", again.status, again.text());
         assert_eq!(again.body, first.body);
     }
     app(req("POST", "/pay", Some("k"), "other"))
@@ -179,7 +194,25 @@ async fn connection_killed_before_commit_stores_nothing_and_the_retry_runs_once(
     let killed = app(req("POST", "/kill", Some("k"), "b")).await;
     killed.assert_problem(503, "store-unavailable");
     assert_eq!((fx.payments().await, fx.keys().await), (0, 0));
-    // The retry runs at once (the dead connection released the advisory lock) and once.
+    // The retry runs at once, and once: the advisory lock went with the dead backend (which
+    // Postgres ends a moment after the client sees its connection close).
+    let started = std::time::Instant::now();
+    loop {
+        let (alive,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_backend_pid()'",
+        )
+        .fetch_one(&fx.admin)
+        .await
+        .unwrap();
+        if alive == 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "backend still alive"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     let svc = fx.app();
     let retry = svc(req("POST", "/pay", Some("k"), "b")).await;
     assert_eq!(retry.status, 201, "{}", retry.text());
@@ -267,6 +300,160 @@ async fn abandoned_plain_mode_claim_is_taken_over() {
     assert_eq!(app(req("POST", "/pay", Some("k"), "b")).await.status, 201);
     assert!(app(req("POST", "/pay", Some("k"), "b")).await.replayed());
     assert_eq!(fx.payments().await, 1);
+    fx.cleanup().await;
+}
+
+/// Keys and scopes travel inside the claim's and the completion's SQL text (they are sent with
+/// `BEGIN` and `COMMIT` in one message). Quotes, backslashes, dollar signs and semicolons
+/// must arrive as they are, and keys that differ only there must stay different records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_and_scopes_with_quotes_and_backslashes_are_stored_as_they_are() {
+    let fx = Fx::new().await;
+    let app = fx.app_with(|layer| {
+        layer.with_scope(|parts: &http::request::Parts| {
+            parts
+                .headers
+                .get("x-tenant")
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        })
+    });
+    let keys = [
+        r"a'b",
+        r"a''b",
+        r"a\b",
+        r"a\\b",
+        r"x');DROP/**/TABLE/**/payments;--",
+        r"$$;COMMIT;$$",
+        r"E'\x00'",
+        r"\",
+        r"'",
+    ];
+    let tenants = ["O'Brien", r"back\slash", "caf\u{e9} \u{1f4b3}", "$t$;"];
+    let send = |key: &str, tenant: &str, body: &str| {
+        let mut r = req("POST", "/pay", Some(key), body);
+        r.headers_mut().insert(
+            "x-tenant",
+            http::HeaderValue::from_bytes(tenant.as_bytes()).unwrap(),
+        );
+        app(r)
+    };
+    for tenant in tenants {
+        for key in keys {
+            let first = send(key, tenant, "b").await;
+            assert_eq!(first.status, 201, "{tenant} {key}: {}", first.text());
+            assert!(!first.replayed(), "{tenant} {key}: a new record");
+            let again = send(key, tenant, "b").await;
+            assert!(again.replayed(), "{tenant} {key}");
+            assert_eq!(again.body, first.body);
+            let other = send(key, tenant, "other").await;
+            assert_eq!(other.status, 422, "{tenant} {key}: {}", other.text());
+            other.assert_problem(422, "key-reused");
+        }
+    }
+    let n = i64::try_from(keys.len() * tenants.len()).unwrap();
+    assert_eq!((fx.payments().await, fx.keys().await), (n, n));
+    // Stored byte for byte.
+    let stored: Vec<(String, String)> =
+        sqlx::query_as("SELECT scope, key FROM tower_idempotency_keys")
+            .fetch_all(&fx.admin)
+            .await
+            .unwrap();
+    for tenant in tenants {
+        for key in keys {
+            assert!(
+                stored.iter().any(|(s, k)| s == tenant && k == key),
+                "{tenant:?} {key:?} not stored as sent: {stored:?}"
+            );
+        }
+    }
+    fx.cleanup().await;
+}
+
+/// A scope with a NUL cannot be stored (Postgres text holds none): the request gets `503`
+/// and its handler does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scope_with_a_nul_is_refused_before_the_handler_runs() {
+    let fx = Fx::new().await;
+    let app = fx.app_with(|layer| {
+        layer.with_scope(|_: &http::request::Parts| Some("tenant\0evil".to_owned()))
+    });
+    app(req("POST", "/pay", Some("k"), "b"))
+        .await
+        .assert_problem(503, "store-unavailable");
+    assert_eq!((fx.payments().await, fx.keys().await), (0, 0));
+    fx.cleanup().await;
+}
+
+/// An expired record does not block its key: the handler runs again and its answer replaces
+/// the old record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_record_is_replaced() {
+    let fx = Fx::new().await;
+    let app = fx.app_with(|layer| layer.with_ttl(Duration::from_millis(300)));
+    let first = app(req("POST", "/pay", Some("k"), "b")).await;
+    assert_eq!(first.status, 201);
+    assert!(app(req("POST", "/pay", Some("k"), "b")).await.replayed());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Expired: a new request, even with another payload.
+    let second = app(req("POST", "/pay", Some("k"), "other")).await;
+    assert_eq!(second.status, 201, "{}", second.text());
+    assert!(!second.replayed());
+    assert_ne!(second.body, first.body);
+    let again = app(req("POST", "/pay", Some("k"), "other")).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, second.body);
+    assert_eq!((fx.payments().await, fx.keys().await), (2, 1));
+    fx.cleanup().await;
+}
+
+/// A plain-mode request on the same table that claims the key while the transactional
+/// request's handler runs wins: the transactional request's completion conflicts, nothing of
+/// it commits, and its client gets `409`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_mode_claim_made_meanwhile_rolls_the_request_back() {
+    use tower_idempotency::{ClaimOutcome, ClaimRequest, IdempotencyKey, Store};
+    let fx = Fx::new().await;
+    let store = fx.store.clone();
+    let handler = tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
+        let store = store.clone();
+        async move {
+            let tx = req.extensions().get::<IdempotentTx>().unwrap().clone();
+            sqlx::query("INSERT INTO payments (note) VALUES ('tx')")
+                .execute(&mut *tx.conn().await.unwrap())
+                .await
+                .unwrap();
+            // Meanwhile, a plain-mode request claims the same key on another connection.
+            let key = IdempotencyKey::parse("k").unwrap();
+            let parts = Request::post("/pay").body(()).unwrap().into_parts().0;
+            let claimed = store
+                .claim(ClaimRequest {
+                    scope: "",
+                    key: &key,
+                    fingerprint: tower_idempotency::fingerprint::fingerprint(&parts, &[], b"b"),
+                    lease: Duration::from_secs(30),
+                    ttl: Duration::from_secs(60),
+                })
+                .await
+                .unwrap();
+            assert!(matches!(claimed, ClaimOutcome::Acquired { .. }));
+            Ok::<_, std::io::Error>(Response::new(Full::new(Bytes::from_static(b"paid"))))
+        }
+    });
+    let svc = IdempotencyLayer::new(fx.store.transactional()).layer(handler);
+    let answer = read(
+        svc.oneshot(req("POST", "/pay", Some("k"), "b"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    answer.assert_problem(409, "request-in-progress");
+    // The payment rolled back; the plain-mode claim is the key's only record.
+    assert_eq!((fx.payments().await, fx.keys().await), (0, 1));
+    let (token,): (Option<i64>,) = sqlx::query_as("SELECT lease_token FROM tower_idempotency_keys")
+        .fetch_one(&fx.admin)
+        .await
+        .unwrap();
+    assert!(token.is_some(), "the plain-mode claim is intact");
     fx.cleanup().await;
 }
 

@@ -23,6 +23,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "create processed messages",
         include_str!("../../migrations/0002_create_processed_messages.sql"),
     ),
+    (
+        3,
+        "transactional claim function",
+        include_str!("../../migrations/0003_transactional_claim.sql"),
+    ),
 ];
 
 /// The advisory lock taken while migrating, so that app instances starting together apply
@@ -237,8 +242,9 @@ pub(crate) fn millis(d: Duration) -> i64 {
 /// Maps a database error, recognising a missing schema by its SQLSTATE.
 pub(crate) fn db_error(err: sqlx::Error) -> StoreError {
     if let Some(db) = err.as_database_error() {
-        // 42P01 undefined_table, 42704 undefined_object (the sequence).
-        if matches!(db.code().as_deref(), Some("42P01" | "42704")) {
+        // 42P01 undefined_table, 42704 undefined_object (the sequence), 42883
+        // undefined_function (transactional mode's functions).
+        if matches!(db.code().as_deref(), Some("42P01" | "42704" | "42883")) {
             return StoreError::Schema(format!(
                 "{} (run PostgresStore::migrate() first)",
                 db.message()
