@@ -5,20 +5,6 @@
 --   TI001  another transaction holds the key (it is in flight)
 --   TI002  the key has a live record (completed, or claimed by a plain-mode request)
 
--- Whether the key has a live record: NULL when it has none, false when its record expired or
--- is a plain-mode claim whose lease ran out (with the same payload, as plain mode requires
--- for a takeover).
-CREATE FUNCTION tower_idempotency_record_is_live(p_scope text, p_key text, p_fingerprint bytea)
-RETURNS boolean
-LANGUAGE sql STABLE
-AS $$
-    SELECT k.expires_at > now()
-           AND (k.lease_token IS NULL OR k.lease_expires_at > now()
-                OR k.fingerprint <> p_fingerprint)
-      FROM tower_idempotency_keys AS k
-     WHERE k.scope = p_scope AND k.key = p_key
-$$;
-
 -- The claim. A key with a live record (a replay, a reused key) is answered by reading the
 -- record after the batch, so it takes no lock. Otherwise it takes the key's
 -- transaction-scoped advisory lock without waiting, and looks again: that look runs after the
@@ -33,15 +19,29 @@ RETURNS void
 LANGUAGE plpgsql
 AS $$
 DECLARE
+    -- NULL: no record; false: a stale record (expired, or a plain-mode claim whose lease ran
+    -- out, with the same payload as plain mode requires for a takeover); true: a live one.
     live boolean;
 BEGIN
-    IF tower_idempotency_record_is_live(p_scope, p_key, p_fingerprint) THEN
+    SELECT k.expires_at > now()
+           AND (k.lease_token IS NULL OR k.lease_expires_at > now()
+                OR k.fingerprint <> p_fingerprint)
+      INTO live
+      FROM tower_idempotency_keys AS k
+     WHERE k.scope = p_scope AND k.key = p_key;
+    IF live THEN
         RAISE EXCEPTION 'tower_idempotency: the key has a record' USING ERRCODE = 'TI002';
     END IF;
     IF NOT pg_try_advisory_xact_lock(p_lock # 'tower_idempotency_keys'::regclass::oid::bigint) THEN
         RAISE EXCEPTION 'tower_idempotency: the key is in flight' USING ERRCODE = 'TI001';
     END IF;
-    live := tower_idempotency_record_is_live(p_scope, p_key, p_fingerprint);
+    -- The same look again, now that the lock is held.
+    SELECT k.expires_at > now()
+           AND (k.lease_token IS NULL OR k.lease_expires_at > now()
+                OR k.fingerprint <> p_fingerprint)
+      INTO live
+      FROM tower_idempotency_keys AS k
+     WHERE k.scope = p_scope AND k.key = p_key;
     IF live THEN
         RAISE EXCEPTION 'tower_idempotency: the key has a record' USING ERRCODE = 'TI002';
     ELSIF NOT live THEN
