@@ -84,13 +84,17 @@ pub struct PostgresStore {
 ///
 /// | strategy | first request | replay |
 /// |---|---|---|
-/// | [`Combined`](ClaimStrategy::Combined) (default) | 2 statements: claim, complete | 1 statement (a read that skips the insert) |
+/// | [`Combined`](ClaimStrategy::Combined) (default) | 2 statements: claim (a read that calls the insert function), complete | 1 statement: the read, which skips the function |
 /// | [`ReadFirst`](ClaimStrategy::ReadFirst) | 3: read, insert, complete | 1 plain `SELECT` |
 /// | [`InsertFirst`](ClaimStrategy::InsertFirst) | 2: plain insert, complete | 2: insert (conflicts), read |
 ///
-/// Choose `ReadFirst` for endpoints where retries are common, `InsertFirst` where they are
-/// rare and first requests dominate, `Combined` for the fewest round trips overall. Expired
-/// or abandoned keys cost one more statement (the takeover) in every strategy.
+/// `Combined` suits most endpoints: its replay costs the database about what `ReadFirst`'s
+/// plain `SELECT` does, and its first request, in the same two round trips as
+/// `InsertFirst`'s, adds the read of the absent key and a PL/pgSQL call to the insert.
+/// `InsertFirst` saves that on endpoints where retries are rare and first requests dominate.
+/// `ReadFirst`'s replay is the bare `SELECT`, slightly cheaper than `Combined`'s (no join,
+/// no function to look up), for a third statement on every first request. Expired or
+/// abandoned keys cost one more statement (the takeover) in every strategy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ClaimStrategy {
