@@ -8,7 +8,9 @@ use std::time::Duration;
 use sqlx::postgres::PgPoolOptions;
 use support::{Calls, PgSchema, read, req};
 use tower::{Layer, ServiceExt};
-use tower_idempotency::{IdempotencyLayer, PostgresStore, Store, StoreError};
+use tower_idempotency::{
+    ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyLayer, PostgresStore, Store, StoreError,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
@@ -27,7 +29,12 @@ async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(versions, 3);
+    // One version per file in migrations/.
+    let shipped = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"))
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension() == Some("sql".as_ref()))
+        .count();
+    assert_eq!(versions, i64::try_from(shipped).unwrap());
     // The crate's history lives in its own table, not in sqlx's `_sqlx_migrations`.
     let (sqlx_table,): (Option<String>,) =
         sqlx::query_as("SELECT to_regclass('_sqlx_migrations')::text")
@@ -76,6 +83,37 @@ async fn missing_schema_is_a_schema_error_and_a_503() {
         "fail closed: the handler must not run unprotected"
     );
     let err = store.purge_expired(10).await.unwrap_err();
+    match err {
+        StoreError::Schema(msg) => assert!(msg.contains("migrate"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    pool.close().await;
+    schema.drop_schema().await;
+}
+
+#[tokio::test]
+async fn a_missing_claim_function_is_a_schema_error() {
+    // A schema migrated by an older version of the crate: the tables, not the claim's insert
+    // function.
+    let schema = PgSchema::new().await;
+    let pool = schema.pool(2).await;
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    sqlx::query("DROP FUNCTION tower_idempotency_insert_key")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let key = IdempotencyKey::parse("k").unwrap();
+    let err = store
+        .claim(ClaimRequest {
+            scope: "",
+            key: &key,
+            fingerprint: Fingerprint::from_bytes([0; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+        })
+        .await
+        .unwrap_err();
     match err {
         StoreError::Schema(msg) => assert!(msg.contains("migrate"), "{msg}"),
         other => panic!("{other:?}"),

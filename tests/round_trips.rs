@@ -314,11 +314,15 @@ struct Expected {
     replay: usize,
     reused: usize,
     failed: usize,
+    /// Whether a replay runs an insert (which draws a lease token even when it conflicts).
+    replay_inserts: bool,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_is_one_statement_and_a_first_request_two() {
-    // The default: claim (read + insert in one statement), complete.
+    // The default: claim (a read that calls the insert function only for an absent key),
+    // complete. A replay is that read alone: the function, which runs inside the statement
+    // and so is not seen on the wire, does not run (no lease token is drawn).
     plain_mode_counts(
         ClaimStrategy::Combined,
         Expected {
@@ -326,6 +330,7 @@ async fn replay_is_one_statement_and_a_first_request_two() {
             replay: 1,
             reused: 1,
             failed: 2,
+            replay_inserts: false,
         },
     )
     .await;
@@ -341,6 +346,7 @@ async fn read_first_replays_with_one_select() {
             replay: 1,
             reused: 1,
             failed: 3,
+            replay_inserts: false,
         },
     )
     .await;
@@ -356,6 +362,7 @@ async fn insert_first_claims_with_one_insert() {
             replay: 2,
             reused: 2,
             failed: 2,
+            replay_inserts: true,
         },
     )
     .await;
@@ -365,7 +372,13 @@ async fn plain_mode_counts(strategy: ClaimStrategy, expected: Expected) {
     let schema = PgSchema::new().await;
     let admin = schema.pool(2).await;
     PostgresStore::new(admin.clone()).migrate().await.unwrap();
-    admin.close().await;
+    // The last lease token drawn, read beside the proxy (not counted).
+    let last_token = || async {
+        sqlx::query_scalar::<_, i64>("SELECT last_value FROM tower_idempotency_lease_token_seq")
+            .fetch_one(&admin)
+            .await
+            .unwrap()
+    };
 
     let proxy = Proxy::start(upstream()).await;
     let pool = pool_through(&proxy, &schema).await;
@@ -398,7 +411,13 @@ async fn plain_mode_counts(strategy: ClaimStrategy, expected: Expected) {
     assert_eq!((cost.parse(), cost.query()), (0, 0), "{cost:?}");
 
     // A replay, which finds the completed record.
+    let token_before = last_token().await;
     let (again, cost) = send(&svc, &proxy, "/ok", "k1", "body").await;
+    assert_eq!(
+        last_token().await != token_before,
+        expected.replay_inserts,
+        "{strategy:?}: does a replay run an insert?"
+    );
     assert_eq!(again.status, 201);
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
@@ -430,6 +449,7 @@ async fn plain_mode_counts(strategy: ClaimStrategy, expected: Expected) {
     // The handler ran for the first request only (and the warm-up's).
     assert_eq!(calls.get("/ok"), 2);
 
+    admin.close().await;
     pool.close().await;
     schema.drop_schema().await;
 }

@@ -4,32 +4,17 @@
 -- key :k, fingerprint FP (32 bytes), lease 30 s, TTL 24 h; the answer is 201 with one header
 -- and a small JSON body.
 \set k random(1, 1000000000000)
-WITH cur AS (
-    SELECT fingerprint, lease_token, expires_at <= now() AS expired,
-           (expires_at <= now()
-            OR (lease_token IS NOT NULL AND lease_expires_at <= now() AND fingerprint = '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea))
-               AS claimable,
-           (extract(epoch FROM lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
-           response_status, response_headers, response_body
-      FROM tower_idempotency_keys
-     WHERE scope = '' AND key = :k::text
-),
-ins AS (
-    INSERT INTO tower_idempotency_keys AS k
-           (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
-    SELECT '', :k::text, '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea, nextval('tower_idempotency_lease_token_seq'),
-           now() + 30000::float8 * interval '1 millisecond',
-           now() + 86400000::float8 * interval '1 millisecond'
-     WHERE NOT EXISTS (SELECT 1 FROM cur)
-    ON CONFLICT (scope, key) DO NOTHING
-    RETURNING k.lease_token
-)
-SELECT ins.lease_token AS inserted,
-       cur.fingerprint, cur.lease_token, cur.expired, cur.claimable, cur.lease_left_ms,
-       cur.response_status, cur.response_headers, cur.response_body
-  FROM (SELECT 1) AS one
-  LEFT JOIN ins ON true
-  LEFT JOIN cur ON true
+SELECT CASE WHEN scope IS NULL
+            THEN tower_idempotency_insert_key('', :k::text, '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea, 30000, 86400000) END
+           AS inserted,
+       fingerprint, lease_token, expires_at <= now() AS expired,
+       (expires_at <= now()
+        OR (lease_token IS NOT NULL AND lease_expires_at <= now() AND fingerprint = '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea))
+           AS claimable,
+       (extract(epoch FROM lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
+       response_status, response_headers, response_body
+  FROM (SELECT) AS one
+  LEFT JOIN tower_idempotency_keys ON scope = '' AND key = :k::text
 \gset claim_
 UPDATE tower_idempotency_keys
    SET lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
