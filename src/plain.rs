@@ -71,68 +71,74 @@ struct Claimed<St> {
 
 /// Step 1: reads and fingerprints the request and claims its key. Breaks with the layer's
 /// own answer when the handler is not to run (a rejection, a replay, a key in flight).
-async fn claim<St, ReqBody, ResBody, E>(
+///
+/// Not an `async fn`: one keeps a copy of each argument besides the argument itself (the
+/// request head twice); an `async` block uses what it captured in place.
+#[allow(clippy::manual_async_fn)]
+fn claim<St, ReqBody, ResBody, E>(
     store: St,
     config: Arc<Config>,
     key: IdempotencyKey,
     parts: Parts,
     body: ReqBody,
-) -> ControlFlow<Result<Response<ResponseBody<ResBody>>, E>, Claimed<St>>
+) -> impl Future<Output = ControlFlow<Result<Response<ResponseBody<ResBody>>, E>, Claimed<St>>>
 where
     St: Store,
     ReqBody: Body<Data = Bytes>,
     ReqBody::Error: Into<BoxError>,
     ResBody: Body,
 {
-    let (scope, fingerprint, buffered) = match read_request(&config, &parts, body).await {
-        Ok(read) => read,
-        Err(rejected) => return ControlFlow::Break(Ok(rejected)),
-    };
-    let request = ClaimRequest {
-        scope: &scope,
-        key: &key,
-        fingerprint,
-        lease: config.lease,
-        ttl: config.ttl,
-    };
-    let answer = match store.claim(request).await {
-        Ok(ClaimOutcome::Acquired { token, takeover }) => {
-            record(if takeover {
-                Outcome::Takeover
-            } else {
-                Outcome::Executed
-            });
-            return ControlFlow::Continue(Claimed {
-                held: Held {
-                    store,
-                    scope,
-                    key,
-                    token,
-                },
-                parts,
-                buffered,
-                config,
-            });
-        }
-        Ok(ClaimOutcome::Completed(stored)) => {
-            record(Outcome::Replayed);
-            replay(&config, stored)
-        }
-        Ok(ClaimOutcome::InFlight { retry_after }) => {
-            record(Outcome::InFlight);
-            render(&config, &Rejection::InFlight { retry_after })
-        }
-        Ok(ClaimOutcome::Mismatch) => {
-            record(Outcome::Mismatch);
-            render(&config, &Rejection::KeyReused)
-        }
-        Err(err) => {
-            record(Outcome::StoreError);
-            log_store_error(&err, "claim a key; answered 503");
-            render(&config, &Rejection::StoreUnavailable)
-        }
-    };
-    ControlFlow::Break(Ok(answer))
+    async move {
+        let (scope, fingerprint, buffered) = match read_request(&config, &parts, body).await {
+            Ok(read) => read,
+            Err(rejected) => return ControlFlow::Break(Ok(rejected)),
+        };
+        let request = ClaimRequest {
+            scope: &scope,
+            key: &key,
+            fingerprint,
+            lease: config.lease,
+            ttl: config.ttl,
+        };
+        let answer = match store.claim(request).await {
+            Ok(ClaimOutcome::Acquired { token, takeover }) => {
+                record(if takeover {
+                    Outcome::Takeover
+                } else {
+                    Outcome::Executed
+                });
+                return ControlFlow::Continue(Claimed {
+                    held: Held {
+                        store,
+                        scope,
+                        key,
+                        token,
+                    },
+                    parts,
+                    buffered,
+                    config,
+                });
+            }
+            Ok(ClaimOutcome::Completed(stored)) => {
+                record(Outcome::Replayed);
+                replay(&config, stored)
+            }
+            Ok(ClaimOutcome::InFlight { retry_after }) => {
+                record(Outcome::InFlight);
+                render(&config, &Rejection::InFlight { retry_after })
+            }
+            Ok(ClaimOutcome::Mismatch) => {
+                record(Outcome::Mismatch);
+                render(&config, &Rejection::KeyReused)
+            }
+            Err(err) => {
+                record(Outcome::StoreError);
+                log_store_error(&err, "claim a key; answered 503");
+                render(&config, &Rejection::StoreUnavailable)
+            }
+        };
+        ControlFlow::Break(Ok(answer))
+    }
 }
 
 pin_project! {
