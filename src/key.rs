@@ -89,9 +89,10 @@ impl IdempotencyKey {
                 Cow::Borrowed(raw)
             }
         };
-        // validate() admitted only ASCII bytes, so this is valid UTF-8: the text is borrowed
-        // up to here and copied once, into the key.
-        Ok(Self(Arc::from(String::from_utf8_lossy(&key))))
+        // validate() admitted only ASCII bytes, so this is valid UTF-8 (the error cannot
+        // happen). The text is borrowed up to here and copied once, into the key.
+        let text = std::str::from_utf8(&key).map_err(|_| KeyError::InvalidCharacter)?;
+        Ok(Self(Arc::from(text)))
     }
 
     /// The key's text (unquoted).
