@@ -113,14 +113,18 @@ where
         // clone in its place (see the tower-service docs on `Clone` services).
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let span = tracing::debug_span!("idempotency", key = %key, outcome = tracing::field::Empty);
+        // No subscriber wants a DEBUG span (none is installed, or they filter at INFO): making,
+        // entering and dropping a disabled one would be work for nothing.
+        let span = if tracing::level_enabled!(tracing::Level::DEBUG) {
+            tracing::debug_span!("idempotency", key = %key, outcome = tracing::field::Empty)
+        } else {
+            tracing::Span::none()
+        };
         let keyed = Keyed {
             config: self.config.clone(),
             key,
         };
         let run = Sealed::execute(self.store.clone(), keyed, inner, req);
-        // Without a subscriber that wants the span, entering and leaving it at every poll is
-        // work for nothing.
         if span.is_disabled() {
             ResponseFuture::keyed(Box::pin(run))
         } else {
@@ -214,7 +218,11 @@ impl Outcome {
 }
 
 pub(crate) fn record(outcome: Outcome) {
-    tracing::Span::current().record("outcome", outcome.as_str());
+    // Recorded into the request's span, which exists only when DEBUG is enabled (otherwise
+    // the current span is some outer one, not ours to write to).
+    if tracing::level_enabled!(tracing::Level::DEBUG) {
+        tracing::Span::current().record("outcome", outcome.as_str());
+    }
     tracing::debug!(outcome = outcome.as_str(), "idempotency outcome");
     #[cfg(feature = "metrics")]
     metrics::counter!("tower_idempotency_requests_total", "outcome" => outcome.as_str())
