@@ -239,7 +239,7 @@ pub(crate) fn log_store_error(err: &StoreError, what: &'static str) {
 /// A request body read in full: its chunks (not copied), trailers and fingerprint input.
 pub(crate) struct Buffered {
     pub(crate) chunks: Chunks,
-    pub(crate) trailers: Option<HeaderMap>,
+    pub(crate) trailers: Option<Box<HeaderMap>>,
 }
 
 /// A keyed request, read and fingerprinted, ready to claim.
@@ -423,7 +423,7 @@ where
 {
     let mut body = pin!(body);
     let mut chunks = Chunks::default();
-    let mut trailers = None;
+    let mut trailers: Option<Box<HeaderMap>> = None;
     let mut len = 0usize;
     while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
         let frame = frame.map_err(|e| {
@@ -447,7 +447,7 @@ where
             }
             Err(frame) => {
                 if let Ok(t) = frame.into_trailers() {
-                    trailers.get_or_insert_with(HeaderMap::new).extend(t);
+                    trailers.get_or_insert_with(Box::default).extend(t);
                 }
             }
         }
