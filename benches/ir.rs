@@ -7,8 +7,8 @@
 //! ```
 //!
 //! Scenarios: `none` (the route without the layer), `new` (the layer, a new key per request),
-//! `replay` (the layer, one completed key), `baseline` (the load harness's hand-written
-//! memory baseline). Two runs with different request counts give the cost of one request
+//! `replay` (the layer, one completed key), `get` (the layer on a `GET`: passed through),
+//! `baseline` (the load harness's hand-written memory baseline). Two runs with different request counts give the cost of one request
 //! (the difference of their totals, divided by the difference of the counts), free of the
 //! start-up. Without arguments (as under `cargo test`) it runs each scenario a few times.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -23,7 +23,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::request::Parts;
-use axum::http::{Request, StatusCode, header};
+use axum::http::{Method, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
@@ -70,7 +70,7 @@ fn main() {
         .filter(|a| !a.starts_with('-'))
         .collect();
     let runs: Vec<(String, usize)> = match args.as_slice() {
-        [] => ["none", "new", "replay", "baseline"]
+        [] => ["none", "new", "replay", "get", "baseline"]
             .iter()
             .map(|s| ((*s).to_owned(), 3))
             .collect(),
@@ -85,8 +85,8 @@ fn main() {
     for (scenario, n) in runs {
         let app = match scenario.as_str() {
             "none" => Router::new().route("/orders", post(create)),
-            "new" | "replay" => Router::new()
-                .route("/orders", post(create))
+            "new" | "replay" | "get" => Router::new()
+                .route("/orders", post(create).get(create))
                 .layer(IdempotencyLayer::new(MemoryStore::new())),
             "baseline" => Router::new()
                 .route("/orders", post(baseline))
@@ -94,21 +94,28 @@ fn main() {
             other => panic!("unknown scenario {other}"),
         };
         let replay = scenario == "replay";
+        let method = if scenario == "get" {
+            Method::GET
+        } else {
+            Method::POST
+        };
         rt.block_on(async {
             // Warm up (and complete the replayed key).
             for i in 0..n.min(10) + 1 {
-                send(&app, i, replay, &body).await;
+                send(&app, &method, i, replay, &body).await;
             }
             for i in 0..n {
-                send(&app, i + 1000, replay, &body).await;
+                send(&app, &method, i + 1000, replay, &body).await;
             }
         });
     }
 }
 
-async fn send(app: &Router, i: usize, replay: bool, body: &Bytes) {
+async fn send(app: &Router, method: &Method, i: usize, replay: bool, body: &Bytes) {
     let key = format!("key-{:08}", if replay { 0 } else { i });
-    let req = Request::post("/orders")
+    let req = Request::builder()
+        .method(method)
+        .uri("/orders")
         .header(header::CONTENT_TYPE, "application/json")
         .header("idempotency-key", key)
         .body(Body::from(body.clone()))
