@@ -242,7 +242,8 @@ pub(crate) struct Buffered {
     pub(crate) trailers: Option<Box<HeaderMap>>,
 }
 
-/// A keyed request, read and fingerprinted, ready to claim.
+/// A keyed request, read and fingerprinted, ready to claim (transactional mode).
+#[cfg(feature = "postgres")]
 pub(crate) struct Prepared {
     pub(crate) parts: Parts,
     pub(crate) scope: String,
@@ -252,6 +253,7 @@ pub(crate) struct Prepared {
 
 /// Reads the body of a request (up to the limit) and fingerprints the request; a request that
 /// cannot be read is answered here.
+#[cfg(feature = "postgres")]
 pub(crate) async fn prepare<ReqBody, ResBody>(
     config: &Config,
     req: Request<ReqBody>,
