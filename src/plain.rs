@@ -5,7 +5,7 @@
 //! head while the handler runs, the handler's future while its answer is stored. So the run is
 //! two steps, chained by [`Steps`] so that they share their room:
 //!
-//! 1. [`claim`] (an `async fn`): read and fingerprint the request, claim its key;
+//! 1. [`claim`] (an `async` block): read and fingerprint the request, claim its key;
 //! 2. [`Handling`] (by hand, each state holding only what it needs): run the handler and read
 //!    its answer while renewing the lease, then store the answer or release the key.
 
