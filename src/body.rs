@@ -73,7 +73,8 @@ pin_project! {
     #[project = RequestKindProj]
     enum RequestKind<B> {
         Passthrough { #[pin] body: B },
-        Buffered { chunks: Chunks, trailers: Option<HeaderMap>, remaining: u64 },
+        // Trailers are rare: boxed, they keep the body small.
+        Buffered { chunks: Chunks, trailers: Option<Box<HeaderMap>>, remaining: u64 },
     }
 }
 
@@ -84,7 +85,7 @@ impl<B> RequestBody<B> {
         }
     }
 
-    pub(crate) fn buffered(chunks: Chunks, trailers: Option<HeaderMap>) -> Self {
+    pub(crate) fn buffered(chunks: Chunks, trailers: Option<Box<HeaderMap>>) -> Self {
         let remaining = chunks.byte_len();
         Self {
             kind: RequestKind::Buffered {
@@ -121,7 +122,7 @@ impl<B: Body<Data = Bytes>> Body for RequestBody<B> {
                     *remaining -= chunk.len() as u64;
                     Some(Ok(Frame::data(chunk)))
                 }
-                None => trailers.take().map(|t| Ok(Frame::trailers(t))),
+                None => trailers.take().map(|t| Ok(Frame::trailers(*t))),
             }),
         }
     }
@@ -251,5 +252,28 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
             }
             ResponseKind::Failed { .. } => SizeHint::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    #[tokio::test]
+    async fn buffered_body_replays_its_chunks_then_its_trailers() {
+        let mut chunks = Chunks::default();
+        chunks.push(Bytes::from_static(b"ab"));
+        chunks.push(Bytes::from_static(b"c"));
+        let mut trailers = HeaderMap::new();
+        trailers.insert("x-checksum", http::HeaderValue::from_static("1"));
+        let body = RequestBody::<http_body_util::Empty<Bytes>>::buffered(
+            chunks,
+            Some(Box::new(trailers.clone())),
+        );
+        assert_eq!(body.size_hint().exact(), Some(3));
+        let collected = body.collect().await.unwrap();
+        assert_eq!(collected.trailers(), Some(&trailers));
+        assert_eq!(collected.to_bytes(), "abc");
     }
 }

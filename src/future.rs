@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
@@ -92,6 +93,62 @@ where
                     .take()
                     .expect("ResponseFuture polled after completion");
                 Poll::Ready(Ok(res))
+            }
+        }
+    }
+}
+
+pin_project! {
+    /// Two futures in a row, in the room of the larger: `first` either breaks with the output
+    /// or continues with a value from which `next` makes the second future.
+    #[project = StepsProj]
+    #[project_replace = StepsReplace]
+    pub(crate) enum Steps<A, F, B> {
+        First { #[pin] first: A, next: F },
+        Second { #[pin] second: B },
+        Done,
+    }
+}
+
+impl<A, F, B> Steps<A, F, B> {
+    pub(crate) fn new(first: A, next: F) -> Self {
+        Self::First { first, next }
+    }
+}
+
+impl<A, F, B, T> Future for Steps<A, F, B>
+where
+    A: Future<Output = ControlFlow<B::Output, T>>,
+    F: FnOnce(T) -> B,
+    B: Future,
+{
+    type Output = B::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            match self.as_mut().project() {
+                StepsProj::First { first, .. } => {
+                    let flow = ready!(first.poll(cx));
+                    let StepsReplace::First { next, .. } =
+                        self.as_mut().project_replace(Self::Done)
+                    else {
+                        // The state was `First` just above.
+                        return Poll::Pending;
+                    };
+                    match flow {
+                        ControlFlow::Break(output) => return Poll::Ready(output),
+                        ControlFlow::Continue(value) => self.set(Self::Second {
+                            second: next(value),
+                        }),
+                    }
+                }
+                StepsProj::Second { second } => {
+                    let output = ready!(second.poll(cx));
+                    self.set(Self::Done);
+                    return Poll::Ready(output);
+                }
+                // Polled after it finished: no Tower or hyper driver does that.
+                StepsProj::Done => return Poll::Pending,
             }
         }
     }

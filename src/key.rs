@@ -1,6 +1,8 @@
 //! The idempotency key: its parser and the handler-facing value.
 
+use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
 use http::HeaderValue;
 use sha2::{Digest, Sha256};
@@ -32,8 +34,10 @@ pub const MAX_KEY_LEN: usize = 255;
 /// assert_eq!(bare.derive("charge")?.as_str(), "order-42:charge");
 /// # Ok::<(), tower_idempotency::KeyError>(())
 /// ```
+///
+/// Cloning a key is cheap (a reference count).
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct IdempotencyKey(Box<str>);
+pub struct IdempotencyKey(Arc<str>);
 
 /// Why a header value is not a valid idempotency key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -82,11 +86,13 @@ impl IdempotencyKey {
             Some(b'"') => unquote(raw)?,
             _ => {
                 validate(raw)?;
-                // validate() admitted only ASCII bytes, so this is valid UTF-8.
-                String::from_utf8_lossy(raw).into_owned()
+                Cow::Borrowed(raw)
             }
         };
-        Ok(Self(key.into_boxed_str()))
+        // validate() admitted only ASCII bytes, so this is valid UTF-8 (the error cannot
+        // happen). The text is borrowed up to here and copied once, into the key.
+        let text = std::str::from_utf8(&key).map_err(|_| KeyError::InvalidCharacter)?;
+        Ok(Self(Arc::from(text)))
     }
 
     /// The key's text (unquoted).
@@ -120,7 +126,7 @@ impl IdempotencyKey {
             let digest = Sha256::digest(self.0.as_bytes());
             format!("{}:{purpose}", crate::fingerprint::hex(&digest))
         };
-        Ok(IdempotencyKey(derived.into_boxed_str()))
+        Ok(IdempotencyKey(derived.into()))
     }
 }
 
@@ -138,16 +144,17 @@ fn validate(key: &[u8]) -> Result<(), KeyError> {
 }
 
 /// Parses an RFC 8941 sf-string (`"..."` with `\"` and `\\` escapes) that must make up the
-/// whole value.
-fn unquote(raw: &[u8]) -> Result<String, KeyError> {
-    let mut out = Vec::with_capacity(raw.len());
+/// whole value. A string without escapes is borrowed, not copied.
+fn unquote(raw: &[u8]) -> Result<Cow<'_, [u8]>, KeyError> {
+    // Filled only from the first escape on.
+    let mut unescaped: Option<Vec<u8>> = None;
     let mut i = 1;
     loop {
         match raw.get(i) {
             None => return Err(KeyError::MalformedString),
             Some(b'\\') => match raw.get(i + 1) {
                 Some(&c @ (b'"' | b'\\')) => {
-                    out.push(c);
+                    unescaped.get_or_insert_with(|| raw[1..i].to_vec()).push(c);
                     i += 2;
                 }
                 _ => return Err(KeyError::MalformedString),
@@ -163,13 +170,19 @@ fn unquote(raw: &[u8]) -> Result<String, KeyError> {
                 if !(0x20..=0x7e).contains(&c) {
                     return Err(KeyError::InvalidCharacter);
                 }
-                out.push(c);
+                if let Some(out) = &mut unescaped {
+                    out.push(c);
+                }
                 i += 1;
             }
         }
     }
-    validate(&out)?;
-    Ok(String::from_utf8_lossy(&out).into_owned())
+    let key = match unescaped {
+        Some(out) => Cow::Owned(out),
+        None => Cow::Borrowed(&raw[1..i]),
+    };
+    validate(&key)?;
+    Ok(key)
 }
 
 impl fmt::Debug for IdempotencyKey {

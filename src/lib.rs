@@ -194,6 +194,7 @@ pub mod inbox;
 mod key;
 mod layer;
 mod mode;
+mod plain;
 pub mod rejection;
 pub mod response;
 mod service;

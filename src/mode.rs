@@ -13,7 +13,7 @@ use crate::body::{RequestBody, ResponseBody};
 use crate::error::BoxError;
 use crate::key::IdempotencyKey;
 use crate::layer::Config;
-use crate::service::run_plain;
+use crate::plain::run_plain;
 use crate::store::Store;
 
 /// What an [`IdempotencyLayer`](crate::IdempotencyLayer) keeps its keys in, and so how it

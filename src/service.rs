@@ -1,10 +1,9 @@
 //! [`Idempotency`], the service the layer produces.
 
 use std::future::{Future, poll_fn};
-use std::pin::pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::Duration;
+use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response, header, request::Parts};
@@ -21,7 +20,6 @@ use crate::layer::{Config, KeySource};
 use crate::mode::{Keyed, Mode, Sealed};
 use crate::rejection::Rejection;
 use crate::response::{IDEMPOTENT_REPLAYED, StoredResponse, replayable_headers};
-use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
 
 /// Middleware that runs each keyed request's handler once and replays its answer to
 /// retries. Made by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -115,13 +113,23 @@ where
         // clone in its place (see the tower-service docs on `Clone` services).
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let span = tracing::debug_span!("idempotency", key = %key, outcome = tracing::field::Empty);
+        // No subscriber wants a DEBUG span (none is installed, or they filter at INFO): making,
+        // entering and dropping a disabled one would be work for nothing.
+        let span = if tracing::level_enabled!(tracing::Level::DEBUG) {
+            tracing::debug_span!("idempotency", key = %key, outcome = tracing::field::Empty)
+        } else {
+            tracing::Span::none()
+        };
         let keyed = Keyed {
             config: self.config.clone(),
             key,
         };
         let run = Sealed::execute(self.store.clone(), keyed, inner, req);
-        ResponseFuture::keyed(Box::pin(run.instrument(span)))
+        if span.is_disabled() {
+            ResponseFuture::keyed(Box::pin(run))
+        } else {
+            ResponseFuture::keyed(Box::pin(run.instrument(span)))
+        }
     }
 }
 
@@ -210,7 +218,11 @@ impl Outcome {
 }
 
 pub(crate) fn record(outcome: Outcome) {
-    tracing::Span::current().record("outcome", outcome.as_str());
+    // Recorded into the request's span, which exists only when DEBUG is enabled (otherwise
+    // the current span is some outer one, not ours to write to).
+    if tracing::level_enabled!(tracing::Level::DEBUG) {
+        tracing::Span::current().record("outcome", outcome.as_str());
+    }
     tracing::debug!(outcome = outcome.as_str(), "idempotency outcome");
     #[cfg(feature = "metrics")]
     metrics::counter!("tower_idempotency_requests_total", "outcome" => outcome.as_str())
@@ -227,130 +239,11 @@ pub(crate) fn log_store_error(err: &StoreError, what: &'static str) {
 /// A request body read in full: its chunks (not copied), trailers and fingerprint input.
 pub(crate) struct Buffered {
     pub(crate) chunks: Chunks,
-    pub(crate) trailers: Option<HeaderMap>,
+    pub(crate) trailers: Option<Box<HeaderMap>>,
 }
 
-enum Collected<B: Body> {
-    Complete(Bytes),
-    TooLarge(Chunks, std::pin::Pin<Box<B>>),
-    Failed(Chunks, B::Error),
-}
-
-/// Plain mode: claim the key in the store, run the handler, store its answer.
-pub(crate) async fn run_plain<St, S, ReqBody, ResBody>(
-    store: St,
-    keyed: Keyed,
-    mut inner: S,
-    req: Request<ReqBody>,
-) -> Result<Response<ResponseBody<ResBody>>, S::Error>
-where
-    St: Store,
-    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
-    ReqBody: Body<Data = Bytes>,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes>,
-{
-    let Keyed { config, key } = keyed;
-    let config = &*config;
-    let Prepared {
-        mut parts,
-        scope,
-        fingerprint,
-        buffered,
-    } = match prepare(config, req).await {
-        Ok(prepared) => prepared,
-        Err(rejected) => return Ok(rejected),
-    };
-    let claim = ClaimRequest {
-        scope: &scope,
-        key: &key,
-        fingerprint,
-        lease: config.lease,
-        ttl: config.ttl,
-    };
-    let (token, takeover) = match store.claim(claim).await {
-        Ok(ClaimOutcome::Acquired { token, takeover }) => (token, takeover),
-        Ok(ClaimOutcome::Completed(stored)) => {
-            record(Outcome::Replayed);
-            return Ok(replay(config, stored));
-        }
-        Ok(ClaimOutcome::InFlight { retry_after }) => {
-            record(Outcome::InFlight);
-            return Ok(render(config, &Rejection::InFlight { retry_after }));
-        }
-        Ok(ClaimOutcome::Mismatch) => {
-            record(Outcome::Mismatch);
-            return Ok(render(config, &Rejection::KeyReused));
-        }
-        Err(err) => {
-            record(Outcome::StoreError);
-            log_store_error(&err, "claim a key; answered 503");
-            return Ok(render(config, &Rejection::StoreUnavailable));
-        }
-    };
-    record(if takeover {
-        Outcome::Takeover
-    } else {
-        Outcome::Executed
-    });
-
-    // From here the key is ours. If this future is dropped (client gone) or unwinds (the
-    // handler panicked), the guard releases the key so a retry is not locked out.
-    let mut guard = ReleaseGuard {
-        held: Some(Held {
-            store,
-            scope,
-            key: key.clone(),
-            token,
-        }),
-    };
-    parts.extensions.insert(key);
-    let req = Request::from_parts(
-        parts,
-        RequestBody::buffered(buffered.chunks, buffered.trailers),
-    );
-
-    let work = async {
-        let response = inner.call(req).await?;
-        Ok(to_store(config, response).await)
-    };
-    let outcome = renewing(work, &guard, config.lease).await;
-    match outcome {
-        Ok((response, Some(stored))) => {
-            // The handler's work is done: from here on, a dropped request must not release
-            // the key (a retry would run the handler twice). The answer is stored by a task
-            // of its own, which finishes even if this future is dropped while waiting.
-            if let Some(held) = guard.held.take() {
-                let ttl = config.ttl;
-                let mut completion = Box::pin(async move { held.complete(&stored, ttl).await });
-                // Most stores finish at the first poll (the memory store always does);
-                // only a pending completion moves to a task of its own.
-                let first = poll_fn(|cx| Poll::Ready(completion.as_mut().poll(cx))).await;
-                if first.is_pending()
-                    && let Err(e) = tokio::spawn(completion).await
-                {
-                    tracing::error!(
-                        error = &e as &dyn std::error::Error,
-                        "storing the answer panicked"
-                    );
-                }
-            }
-            Ok(response)
-        }
-        // A 5xx, a failed response body, or a handler error: nothing is stored and the
-        // key is released, so a retry runs the handler again.
-        Ok((response, None)) => {
-            guard.release().await;
-            Ok(response)
-        }
-        Err(err) => {
-            guard.release().await;
-            Err(err)
-        }
-    }
-}
-
-/// A keyed request, read and fingerprinted, ready to claim.
+/// A keyed request, read and fingerprinted, ready to claim (transactional mode).
+#[cfg(feature = "postgres")]
 pub(crate) struct Prepared {
     pub(crate) parts: Parts,
     pub(crate) scope: String,
@@ -358,8 +251,9 @@ pub(crate) struct Prepared {
     pub(crate) buffered: Buffered,
 }
 
-/// Derives the scope, reads the body (up to the limit) and fingerprints the request; a
-/// request that cannot be read is answered here.
+/// Reads the body of a request (up to the limit) and fingerprints the request; a request that
+/// cannot be read is answered here.
+#[cfg(feature = "postgres")]
 pub(crate) async fn prepare<ReqBody, ResBody>(
     config: &Config,
     req: Request<ReqBody>,
@@ -370,19 +264,35 @@ where
     ResBody: Body,
 {
     let (parts, body) = req.into_parts();
+    let (scope, fingerprint, buffered) = read_request(config, &parts, body).await?;
+    Ok(Prepared {
+        parts,
+        scope,
+        fingerprint,
+        buffered,
+    })
+}
+
+/// [`prepare`] for a request whose head stays with the caller: derives the scope, reads the
+/// body and fingerprints the request.
+pub(crate) async fn read_request<ReqBody, ResBody>(
+    config: &Config,
+    parts: &Parts,
+    body: ReqBody,
+) -> Result<(String, Fingerprint, Buffered), Response<ResponseBody<ResBody>>>
+where
+    ReqBody: Body<Data = Bytes>,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body,
+{
     let scope = config
         .scope
         .as_ref()
-        .and_then(|f| f(&parts))
+        .and_then(|f| f(parts))
         .unwrap_or_default();
-    let mut fingerprinter = Fingerprinter::new(&parts, &config.fingerprint_headers);
+    let mut fingerprinter = Fingerprinter::new(parts, &config.fingerprint_headers);
     match read_body(body, &mut fingerprinter, config.max_request_body).await {
-        Ok(buffered) => Ok(Prepared {
-            parts,
-            scope,
-            fingerprint: fingerprinter.finish(),
-            buffered,
-        }),
+        Ok(buffered) => Ok((scope, fingerprinter.finish(), buffered)),
         Err(rejection) => {
             record(Outcome::Rejected);
             Err(render(config, &rejection))
@@ -390,33 +300,118 @@ where
     }
 }
 
-/// The handler's answer for the client, and what to store of it: `None` for a `5xx` (unless
-/// configured otherwise) and for a body that failed, which release the key instead.
-pub(crate) async fn to_store<ResBody>(
-    config: &Config,
-    response: Response<ResBody>,
-) -> (Response<ResponseBody<ResBody>>, Option<StoredResponse>)
-where
-    ResBody: Body<Data = Bytes>,
-{
+/// Reads the handler's answer: the response for the client, and what to store of it.
+///
+/// Nothing is stored (`None`) for a `5xx` (unless configured otherwise) and for a body that
+/// failed: those release the key instead.
+pub(crate) fn to_store<B: Body>(config: &Config, response: Response<B>) -> ToStore<B> {
     if response.status().is_server_error() && !config.store_server_errors {
-        return (response.map(ResponseBody::inner), None);
+        return ToStore(Some(Answer::Unstored(response)));
     }
     let (parts, body) = response.into_parts();
-    let (body, stored) = match collect(body, config.max_response_body).await {
-        Collected::Complete(bytes) => {
-            let headers = replayable_headers(&parts.headers, config.keep_set_cookie);
-            let stored = StoredResponse::new(parts.status, headers, bytes.clone());
-            (ResponseBody::full(bytes), Some(stored))
-        }
-        Collected::TooLarge(head, rest) => {
-            let headers = replayable_headers(&parts.headers, config.keep_set_cookie);
-            let stored = StoredResponse::without_body(parts.status, headers);
-            (ResponseBody::prefixed(head, rest), Some(stored))
-        }
-        Collected::Failed(head, err) => (ResponseBody::failed(head, err), None),
-    };
-    (Response::from_parts(parts, body), stored)
+    ToStore(Some(Answer::Reading {
+        parts,
+        body: Box::pin(body),
+        chunks: Chunks::default(),
+        len: 0,
+        limit: config.max_response_body,
+        keep_set_cookie: config.keep_set_cookie,
+    }))
+}
+
+/// The future of [`to_store`].
+pub(crate) struct ToStore<B: Body>(Option<Answer<B>>);
+
+enum Answer<B: Body> {
+    Unstored(Response<B>),
+    /// Reads the body up to `limit` bytes. Trailers are not kept.
+    Reading {
+        parts: http::response::Parts,
+        body: Pin<Box<B>>,
+        chunks: Chunks,
+        len: usize,
+        limit: usize,
+        keep_set_cookie: bool,
+    },
+}
+
+// The response is moved, never pinned: only its body is polled, from its own box.
+impl<B: Body> Unpin for ToStore<B> {}
+
+/// How reading an answer ended.
+enum Read<E> {
+    Complete,
+    TooLarge,
+    Failed(E),
+}
+
+impl<B: Body<Data = Bytes>> Future for ToStore<B> {
+    type Output = (Response<ResponseBody<B>>, Option<StoredResponse>);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let read = match &mut self.0 {
+            // Polled after it finished: the layer never does.
+            None => return Poll::Pending,
+            Some(Answer::Unstored(_)) => Read::Complete,
+            Some(Answer::Reading {
+                body,
+                chunks,
+                len,
+                limit,
+                ..
+            }) => loop {
+                match ready!(body.as_mut().poll_frame(cx)) {
+                    None => break Read::Complete,
+                    Some(Err(e)) => break Read::Failed(e),
+                    Some(Ok(frame)) => {
+                        if let Ok(data) = frame.into_data()
+                            && !data.is_empty()
+                        {
+                            *len = len.saturating_add(data.len());
+                            chunks.push(data);
+                            if *len > *limit {
+                                break Read::TooLarge;
+                            }
+                        }
+                    }
+                }
+            },
+        };
+        let Some(answer) = self.0.take() else {
+            return Poll::Pending;
+        };
+        Poll::Ready(match answer {
+            Answer::Unstored(response) => (response.map(ResponseBody::inner), None),
+            Answer::Reading {
+                parts,
+                body,
+                chunks,
+                keep_set_cookie,
+                ..
+            } => {
+                let stored = |body| {
+                    let headers = replayable_headers(&parts.headers, keep_set_cookie);
+                    match body {
+                        Some(bytes) => StoredResponse::new(parts.status, headers, bytes),
+                        None => StoredResponse::without_body(parts.status, headers),
+                    }
+                };
+                let (body, stored) = match read {
+                    Read::Complete => {
+                        let bytes = chunks.into_bytes();
+                        let stored = stored(Some(bytes.clone()));
+                        (ResponseBody::full(bytes), Some(stored))
+                    }
+                    Read::TooLarge => {
+                        let stored = stored(None);
+                        (ResponseBody::prefixed(chunks, body), Some(stored))
+                    }
+                    Read::Failed(err) => (ResponseBody::failed(chunks, err), None),
+                };
+                (Response::from_parts(parts, body), stored)
+            }
+        })
+    }
 }
 
 async fn read_body<B>(
@@ -430,7 +425,7 @@ where
 {
     let mut body = pin!(body);
     let mut chunks = Chunks::default();
-    let mut trailers = None;
+    let mut trailers: Option<Box<HeaderMap>> = None;
     let mut len = 0usize;
     while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
         let frame = frame.map_err(|e| {
@@ -454,37 +449,12 @@ where
             }
             Err(frame) => {
                 if let Ok(t) = frame.into_trailers() {
-                    trailers.get_or_insert_with(HeaderMap::new).extend(t);
+                    trailers.get_or_insert_with(Box::default).extend(t);
                 }
             }
         }
     }
     Ok(Buffered { chunks, trailers })
-}
-
-/// Reads a response body up to `limit` bytes. Trailers are not kept.
-async fn collect<B: Body<Data = Bytes>>(body: B, limit: usize) -> Collected<B> {
-    let mut body = Box::pin(body);
-    let mut chunks = Chunks::default();
-    let mut len = 0usize;
-    loop {
-        match poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
-            None => break,
-            Some(Err(e)) => return Collected::Failed(chunks, e),
-            Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data()
-                    && !data.is_empty()
-                {
-                    len = len.saturating_add(data.len());
-                    chunks.push(data);
-                    if len > limit {
-                        return Collected::TooLarge(chunks, body);
-                    }
-                }
-            }
-        }
-    }
-    Collected::Complete(chunks.into_bytes())
 }
 
 pub(crate) fn replay<B: Body>(
@@ -505,108 +475,4 @@ pub(crate) fn replay<B: Body>(
     *res.status_mut() = status;
     *res.headers_mut() = headers;
     res
-}
-
-/// Runs `work`, renewing the key's lease every third of it until `work` finishes.
-async fn renewing<St: Store, T>(
-    work: impl Future<Output = T>,
-    guard: &ReleaseGuard<St>,
-    lease: Duration,
-) -> T {
-    let Some(held) = &guard.held else {
-        return work.await;
-    };
-    let renew = async {
-        let period = lease / 3;
-        loop {
-            tokio::time::sleep(period).await;
-            match held
-                .store
-                .renew(&held.scope, &held.key, held.token, lease)
-                .await
-            {
-                Ok(true) => tracing::trace!("idempotency lease renewed"),
-                Ok(false) => {
-                    tracing::warn!("idempotency lease lost: another request took the key over");
-                    return std::future::pending().await;
-                }
-                // Try again at the next period; the lease outlives two missed renewals.
-                Err(err) => log_store_error(&err, "renew a lease"),
-            }
-        }
-    };
-    let mut work = pin!(work);
-    let mut renew = pin!(renew);
-    poll_fn(|cx| {
-        if let Poll::Ready(out) = work.as_mut().poll(cx) {
-            return Poll::Ready(out);
-        }
-        let _: Poll<()> = renew.as_mut().poll(cx);
-        Poll::Pending
-    })
-    .await
-}
-
-struct Held<St> {
-    store: St,
-    scope: String,
-    key: IdempotencyKey,
-    token: LeaseToken,
-}
-
-/// Releases a claimed key unless disarmed: explicitly (awaited), or on drop (spawned).
-struct ReleaseGuard<St: Store> {
-    held: Option<Held<St>>,
-}
-
-impl<St: Store> ReleaseGuard<St> {
-    async fn release(&mut self) {
-        if let Some(held) = self.held.take() {
-            held.release().await;
-        }
-    }
-}
-
-impl<St: Store> Held<St> {
-    /// Stores the answer. On failure the key is not released (the work was done): it is left
-    /// to its lease, so a retry cannot run the handler twice while the store is failing.
-    async fn complete(self, stored: &StoredResponse, ttl: Duration) {
-        match self
-            .store
-            .complete(&self.scope, &self.key, self.token, stored, ttl)
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                "idempotency lease was lost while the handler ran (another request took the key \
-                 over); this answer was not stored"
-            ),
-            Err(err) => log_store_error(
-                &err,
-                "store the answer; the client gets it, the key waits for its lease",
-            ),
-        }
-    }
-
-    async fn release(self) {
-        match self.store.release(&self.scope, &self.key, self.token).await {
-            Ok(_) => tracing::debug!("idempotency key released"),
-            Err(err) => {
-                log_store_error(&err, "release a key; it stays locked until its lease ends")
-            }
-        }
-    }
-}
-
-impl<St: Store> Drop for ReleaseGuard<St> {
-    fn drop(&mut self) {
-        if let Some(held) = self.held.take() {
-            // Dropped mid-request: the client went away or the handler panicked. Release in the
-            // background; without a runtime the lease frees the key when it runs out.
-            if let Ok(handle) = tokio::runtime::Handle::try_current() {
-                tracing::debug!("idempotent request dropped before it finished; releasing its key");
-                handle.spawn(held.release());
-            }
-        }
-    }
 }
