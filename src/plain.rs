@@ -31,7 +31,8 @@ use crate::mode::Keyed;
 use crate::rejection::Rejection;
 use crate::response::StoredResponse;
 use crate::service::{
-    Buffered, Outcome, ToStore, log_store_error, read_request, record, render, replay, to_store,
+    Buffered, Outcome, Taken, ToStore, answer_taken, log_store_error, read_request, record, render,
+    to_store,
 };
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
 
@@ -119,18 +120,11 @@ where
                     config,
                 });
             }
-            Ok(ClaimOutcome::Completed(stored)) => {
-                record(Outcome::Replayed);
-                replay(&config, stored)
-            }
+            Ok(ClaimOutcome::Completed(stored)) => answer_taken(&config, Taken::Completed(stored)),
             Ok(ClaimOutcome::InFlight { retry_after }) => {
-                record(Outcome::InFlight);
-                render(&config, &Rejection::InFlight { retry_after })
+                answer_taken(&config, Taken::InFlight(retry_after))
             }
-            Ok(ClaimOutcome::Mismatch) => {
-                record(Outcome::Mismatch);
-                render(&config, &Rejection::KeyReused)
-            }
+            Ok(ClaimOutcome::Mismatch) => answer_taken(&config, Taken::Mismatch),
             Err(err) => {
                 record(Outcome::StoreError);
                 log_store_error(&err, "claim a key; answered 503");

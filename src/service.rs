@@ -4,6 +4,7 @@ use std::future::{Future, poll_fn};
 use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response, header, request::Parts};
@@ -213,6 +214,34 @@ impl Outcome {
             Self::Mismatch => "mismatch",
             Self::StoreError => "store_error",
             Self::Rejected => "rejected",
+        }
+    }
+}
+
+/// A key whose record is there already, as a claim found it.
+pub(crate) enum Taken {
+    /// Completed: its answer is replayed.
+    Completed(StoredResponse),
+    /// Another request holds it: retry after this long.
+    InFlight(Duration),
+    /// Reused with another payload.
+    Mismatch,
+}
+
+/// The layer's answer to a request whose key is taken (recorded as its outcome).
+pub(crate) fn answer_taken<B: Body>(config: &Config, taken: Taken) -> Response<ResponseBody<B>> {
+    match taken {
+        Taken::Completed(stored) => {
+            record(Outcome::Replayed);
+            replay(config, stored)
+        }
+        Taken::InFlight(retry_after) => {
+            record(Outcome::InFlight);
+            render(config, &Rejection::InFlight { retry_after })
+        }
+        Taken::Mismatch => {
+            record(Outcome::Mismatch);
+            render(config, &Rejection::KeyReused)
         }
     }
 }

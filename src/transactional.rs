@@ -76,7 +76,7 @@ use crate::mode::{Keyed, Mode, Sealed};
 use crate::rejection::Rejection;
 use crate::response::StoredResponse;
 use crate::service::{
-    Outcome, Prepared, log_store_error, prepare, record, render, replay, to_store,
+    Outcome, Prepared, Taken, answer_taken, log_store_error, prepare, record, render, to_store,
 };
 use crate::store::PostgresStore;
 use crate::store::postgres::{db_error, decode_response, millis, status_column};
@@ -174,6 +174,9 @@ const KEYS_PKEY: &str = "tower_idempotency_keys_pkey";
 /// purged in that instant) is tried again before answering "in flight".
 const CLAIM_ATTEMPTS: usize = 3;
 
+/// The `Retry-After` of a key held by another transaction (its end is not known).
+const HELD_RETRY_AFTER: Duration = Duration::from_secs(1);
+
 /// The advisory lock of a (scope, key): 64 bits of its SHA-256.
 fn lock_id(scope: &str, key: &str) -> i64 {
     let mut h = Sha256::new();
@@ -185,16 +188,6 @@ fn lock_id(scope: &str, key: &str) -> i64 {
     let mut first = [0u8; 8];
     first.copy_from_slice(&d[..8]);
     i64::from_be_bytes(first)
-}
-
-/// A claim that found the key taken.
-enum Taken {
-    /// Another transaction holds it.
-    Locked,
-    Mismatch,
-    /// A plain-mode request holds it for this long.
-    InFlight(Duration),
-    Completed(StoredResponse),
 }
 
 /// What [`TX_READ`] found: the key taken, or (`None`) free again.
@@ -343,7 +336,8 @@ async fn claim(
     key: &str,
     fingerprint: &[u8],
 ) -> Result<Result<Transaction<'static, Postgres>, Taken>, StoreError> {
-    let batch = claim_batch(scope, key, fingerprint)?;
+    // Shared by the attempts (a clone is a reference count).
+    let batch: Arc<str> = claim_batch(scope, key, fingerprint)?.into();
     for _ in 0..CLAIM_ATTEMPTS {
         // In a task of its own: if the request is dropped while the batch is in flight, the
         // task still finishes it, and the transaction it opened is rolled back when the task's
@@ -359,7 +353,7 @@ async fn claim(
             Err(err) => err,
         };
         match sqlstate(&err).as_deref() {
-            Some(IN_FLIGHT) => return Ok(Err(Taken::Locked)),
+            Some(IN_FLIGHT) => return Ok(Err(Taken::InFlight(HELD_RETRY_AFTER))),
             Some(HAS_RECORD) => {}
             _ => return Err(db_error(err)),
         }
@@ -374,7 +368,7 @@ async fn claim(
         }
         // Expired (or abandoned) between the batch and the read: claim again.
     }
-    Ok(Err(Taken::Locked))
+    Ok(Err(Taken::InFlight(HELD_RETRY_AFTER)))
 }
 
 async fn rollback(tx: Option<Transaction<'static, Postgres>>) {
@@ -423,27 +417,7 @@ impl Sealed for Transactional {
         let claimed = claim(&self.store, &scope, key.as_str(), fingerprint.as_bytes()).await;
         let tx = match claimed {
             Ok(Ok(tx)) => tx,
-            Ok(Err(taken)) => {
-                return Ok(match taken {
-                    Taken::Locked => {
-                        record(Outcome::InFlight);
-                        let retry_after = Duration::from_secs(1);
-                        render(&config, &Rejection::InFlight { retry_after })
-                    }
-                    Taken::InFlight(retry_after) => {
-                        record(Outcome::InFlight);
-                        render(&config, &Rejection::InFlight { retry_after })
-                    }
-                    Taken::Mismatch => {
-                        record(Outcome::Mismatch);
-                        render(&config, &Rejection::KeyReused)
-                    }
-                    Taken::Completed(stored) => {
-                        record(Outcome::Replayed);
-                        replay(&config, stored)
-                    }
-                });
-            }
+            Ok(Err(taken)) => return Ok(answer_taken(&config, taken)),
             Err(e) => return Ok(unavailable(e, "claim a key; answered 503")),
         };
         record(Outcome::Executed);
@@ -473,48 +447,40 @@ impl Sealed for Transactional {
             return Ok(response);
         };
 
-        let Some(mut tx) = handle.take() else {
-            tracing::error!(
-                "the handler kept the idempotent transaction past its answer; rolled back"
-            );
-            return Ok(render(&config, &Rejection::StoreUnavailable));
-        };
-        let completed = match completion_batch(
+        let batch = match completion_batch(
             &scope,
             key.as_str(),
             fingerprint.as_bytes(),
             config.ttl,
             &stored,
         ) {
-            Ok(batch) => sqlx::raw_sql(AssertSqlSafe(batch))
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| {
-                    if stored_first(&e) {
-                        None
-                    } else {
-                        Some(db_error(e))
-                    }
-                }),
-            Err(e) => Err(Some(e)),
+            Ok(batch) => batch,
+            Err(e) => {
+                rollback(handle.take()).await;
+                return Ok(unavailable(
+                    e,
+                    "store the answer; rolled back, answered 503",
+                ));
+            }
         };
+        let Some(mut tx) = handle.take() else {
+            tracing::error!(
+                "the handler kept the idempotent transaction past its answer; rolled back"
+            );
+            return Ok(render(&config, &Rejection::StoreUnavailable));
+        };
+        let completed = sqlx::raw_sql(AssertSqlSafe(batch)).execute(&mut *tx).await;
         // Committed or failed, the batch leaves an empty or a failed transaction for `tx`'s
         // drop to roll back (see `completion_batch`).
         drop(tx);
         match completed {
             Ok(_) => Ok(response),
-            Err(None) => {
-                // A plain-mode request on the same table claimed the key in the meantime.
-                record(Outcome::InFlight);
-                Ok(render(
-                    &config,
-                    &Rejection::InFlight {
-                        retry_after: Duration::from_secs(1),
-                    },
-                ))
+            // A plain-mode request on the same table claimed the key in the meantime.
+            Err(e) if stored_first(&e) => {
+                Ok(answer_taken(&config, Taken::InFlight(HELD_RETRY_AFTER)))
             }
-            Err(Some(e)) => Ok(unavailable(
-                e,
+            Err(e) => Ok(unavailable(
+                db_error(e),
                 "store the answer and commit; rolled back, answered 503",
             )),
         }
