@@ -148,6 +148,24 @@ const SCENARIOS: &[Scenario] = &[
         target: 0.8,
         build: |ctx| Box::pin(build_pg_tx(ctx)),
     },
+    Scenario {
+        name: "pg-tx-by-hand",
+        layer_side: "reference, no layer: the layer's transactional SQL sent by hand around the \
+                     pg-tx handler (the claim with BEGIN, the payment INSERT, the record's INSERT \
+                     with COMMIT): what the layer adds to its own SQL",
+        baseline: "as pg-tx",
+        target: 0.8,
+        build: |ctx| Box::pin(build_pg_tx_by_hand(ctx, true)),
+    },
+    Scenario {
+        name: "pg-tx-record-only",
+        layer_side: "reference, no layer: as pg-tx-by-hand without the claim (BEGIN, the payment \
+                     INSERT, the record's INSERT with COMMIT): the ceiling of any design that \
+                     keeps the record in the handler's transaction",
+        baseline: "as pg-tx",
+        target: 0.8,
+        build: |ctx| Box::pin(build_pg_tx_by_hand(ctx, false)),
+    },
 ];
 
 /// What a scenario's build returns.
@@ -551,6 +569,123 @@ async fn build_pg_tx(ctx: &Ctx) -> Result<Built, BoxError> {
     let layer = Router::new()
         .route(PATH, post(pay_in_layer_tx))
         .layer(IdempotencyLayer::new(store.transactional()));
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::New,
+        expect: StatusCode::CREATED,
+        schema: Some(schema),
+    })
+}
+
+// --- pg-tx-by-hand, pg-tx-record-only ---------------------------------------------------
+
+/// References for `pg-tx` (not the layer): its handler with the layer's transactional SQL
+/// sent by hand, the claim included or left out. With the claim, the messages are the
+/// layer's own (`round_trips` asserts them): `SELECT tower_idempotency_claim_in_tx(…); BEGIN`,
+/// the payment `INSERT`, then `INSERT` of the record`; COMMIT; BEGIN` (the empty transaction
+/// rolled back as the connection returns to the pool). Without it, `BEGIN` alone opens the
+/// transaction: the least that keeping the record in the handler's transaction can cost, as
+/// two requests with one key would both run. The lock id is an FNV-1a hash of the key (the
+/// layer mixes the scope in too).
+#[derive(Clone)]
+struct ByHand {
+    pool: PgPool,
+    claim: bool,
+}
+
+async fn pay_by_hand(State(hand): State<ByHand>, parts: Parts, body: Bytes) -> Response {
+    let Some(key) = key_of(&parts.headers) else {
+        return problem(StatusCode::BAD_REQUEST);
+    };
+    let fp = fingerprint(&parts, &[], &body);
+    let paid = async {
+        let mut tx = if hand.claim {
+            let lock = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+            let mut sql = format!(
+                "SELECT tower_idempotency_claim_in_tx({}, E'', ",
+                i64::from_ne_bytes(lock.to_ne_bytes())
+            );
+            push_text(&mut sql, key);
+            sql.push(',');
+            push_hex(&mut sql, fp.as_bytes());
+            sql.push_str("); BEGIN");
+            hand.pool.begin_with(sqlx::AssertSqlSafe(sql)).await?
+        } else {
+            hand.pool.begin().await?
+        };
+        let id = insert_payment(&mut tx).await?;
+        let (head, res_body) = payment_created(id, body.len()).into_parts();
+        let res_body = axum::body::to_bytes(res_body, usize::MAX).await?;
+        let stored = StoredResponse::new(head.status, head.headers.clone(), res_body.clone());
+        let mut sql = String::with_capacity(512 + 2 * res_body.len());
+        sql.push_str(
+            "INSERT INTO tower_idempotency_keys (scope, key, fingerprint, expires_at, \
+             completed_at, response_status, response_headers, response_body) VALUES (E'',",
+        );
+        push_text(&mut sql, key);
+        sql.push(',');
+        push_hex(&mut sql, fp.as_bytes());
+        sql.push_str(",now()+86400000*interval '1 millisecond',now(),");
+        sql.push_str(head.status.as_str());
+        sql.push(',');
+        push_hex(&mut sql, &stored.encode_headers());
+        sql.push(',');
+        push_hex(&mut sql, &res_body);
+        sql.push_str("); COMMIT; BEGIN");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&mut *tx)
+            .await?;
+        Ok::<_, BoxError>(Response::from_parts(head, axum::body::Body::from(res_body)))
+    };
+    match paid.await {
+        Ok(res) => res,
+        Err(e) => {
+            eprintln!("by hand: {e}");
+            problem(StatusCode::SERVICE_UNAVAILABLE)
+        }
+    }
+}
+
+/// Appends `text` as an `E'…'` constant, quotes and backslashes doubled, as the layer does.
+fn push_text(sql: &mut String, text: &str) {
+    sql.push_str("E'");
+    for c in text.chars() {
+        if c == '\'' || c == '\\' {
+            sql.push(c);
+        }
+        sql.push(c);
+    }
+    sql.push('\'');
+}
+
+/// Appends `bytes` as `decode('<hex>','hex')`, as the layer does.
+fn push_hex(sql: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    sql.push_str("decode('");
+    for b in bytes {
+        sql.push(char::from(HEX[usize::from(b >> 4)]));
+        sql.push(char::from(HEX[usize::from(b & 15)]));
+    }
+    sql.push_str("','hex')");
+}
+
+async fn build_pg_tx_by_hand(ctx: &Ctx, claim: bool) -> Result<Built, BoxError> {
+    let mut schema = PgSchema::new(ctx.args.pool).await?;
+    PostgresStore::new(schema.pool.clone()).migrate().await?;
+    sqlx::query(PAYMENTS_DDL).execute(&schema.pool).await?;
+    schema.tables.push("payments");
+    let baseline = Router::new()
+        .route(PATH, post(pay_in_own_tx))
+        .with_state(schema.pool.clone());
+    let layer = Router::new()
+        .route(PATH, post(pay_by_hand))
+        .with_state(ByHand {
+            pool: schema.pool.clone(),
+            claim,
+        });
     Ok(Built {
         layer,
         baseline,

@@ -4,7 +4,7 @@
 //! ```text
 //! cargo bench --bench scale -- [--rows 10000000] [--expired 1000000] [--ops 20000]
 //!                              [--concurrency 8] [--clients 16] [--seconds 20] [--warmup 2]
-//!                              [--batches 1000,5000]
+//!                              [--batches 1000,5000] [--purge-duty 1.0] [--prewarm]
 //! ```
 //!
 //! In a fresh schema (migrated with [`PostgresStore::migrate`], dropped at the end), straight
@@ -25,6 +25,9 @@
 //!    it also reports what an operation cost the database: WAL records, full-page images and
 //!    bytes (`pg_stat_wal`, the whole cluster) and the keys table's buffer reads and hits
 //!    (`pg_statio_all_tables`), read after an 11 s pause so every backend has reported.
+//!    With `--prewarm`, the table and its primary key are loaded into shared buffers
+//!    (`pg_prewarm`) before steps 1 and 3: on a server whose `shared_buffers` holds them,
+//!    this measures the table's size alone, without the cold reads of a fresh load.
 //! 4. **Purge.** For each `--batches` size: `--clients` tasks send first requests back to
 //!    back; once for `--seconds` without purging (the baseline), then while
 //!    [`Store::purge_expired`] runs to completion on a connection of its own. Reported: the
@@ -82,13 +85,17 @@ struct Args {
     batches: Vec<usize>,
     /// `PostgresStore::with_purge_duty_cycle` for the purge (1.0: batches back to back).
     purge_duty: f64,
+    /// Load the keys table and its primary key into shared buffers (`pg_prewarm`) before
+    /// the empty-table and the full-table measurements.
+    prewarm: bool,
     /// `false` in the smoke run: no `CHECKPOINT` (it would wait for a neighbour's writes) and
     /// no pause for Postgres's statistics to be flushed.
     measuring: bool,
 }
 
 const USAGE: &str = "usage: cargo bench --bench scale -- [--rows N] [--expired N] [--ops N] \
-[--concurrency N] [--clients N] [--seconds S] [--warmup S] [--batches N,N…] [--purge-duty F]";
+[--concurrency N] [--clients N] [--seconds S] [--warmup S] [--batches N,N…] [--purge-duty F] \
+[--prewarm]";
 
 fn parse_args() -> Result<Args, String> {
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -106,6 +113,7 @@ fn parse_args() -> Result<Args, String> {
             warmup: Duration::from_secs(2),
             batches: vec![1000, 5000],
             purge_duty: 1.0,
+            prewarm: false,
             measuring: true,
         }
     } else {
@@ -120,6 +128,7 @@ fn parse_args() -> Result<Args, String> {
             warmup: Duration::from_millis(50),
             batches: vec![64],
             purge_duty: 1.0,
+            prewarm: false,
             measuring: false,
         }
     };
@@ -170,6 +179,7 @@ fn parse_args() -> Result<Args, String> {
                     .filter(|d| (0.01..=1.0).contains(d))
                     .ok_or_else(|| format!("--purge-duty takes 0.01 to 1.0, not {v}"))?;
             }
+            "--prewarm" => args.prewarm = true,
             "-h" | "--help" => return Err(USAGE.to_owned()),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
@@ -310,6 +320,33 @@ impl Db {
             self.exec("CHECKPOINT").await?;
         }
         Ok(t.elapsed())
+    }
+
+    /// Loads the keys table and its primary key into shared buffers with `pg_prewarm` (the
+    /// extension is created in the benchmark's schema, and dropped with it); prints what it
+    /// loaded against `shared_buffers`.
+    async fn prewarm(&self) -> Result<(), BoxError> {
+        self.exec("CREATE EXTENSION IF NOT EXISTS pg_prewarm")
+            .await?;
+        let blocks = self
+            .scalar(
+                "SELECT pg_prewarm('tower_idempotency_keys') \
+                      + pg_prewarm('tower_idempotency_keys_pkey')",
+            )
+            .await?;
+        let buffers = self
+            .scalar("SELECT setting::bigint FROM pg_settings WHERE name = 'shared_buffers'")
+            .await?;
+        println!(
+            "  pg_prewarm: {blocks} blocks of the table and its primary key, shared_buffers \
+             {buffers} blocks{}",
+            if blocks > buffers {
+                " (they do not fit: most were evicted again)"
+            } else {
+                ""
+            }
+        );
+        Ok(())
     }
 
     /// Cumulative WAL and buffer counters (see [`DbCounters`]).
@@ -904,6 +941,9 @@ async fn run(db: &Db, args: &Args) -> Result<Report, BoxError> {
     let store = PostgresStore::new(db.pool.clone());
     store.migrate().await?;
     db.settle(args.measuring).await?;
+    if args.prewarm {
+        db.prewarm().await?;
+    }
 
     println!("empty table:");
     let empty = measure_ops(
@@ -922,6 +962,9 @@ async fn run(db: &Db, args: &Args) -> Result<Report, BoxError> {
     db.exec("TRUNCATE tower_idempotency_keys").await?;
     let load_time = bulk_load(db, 0, args.rows, args.expired).await?;
     let settle_time = db.settle(args.measuring).await?;
+    if args.prewarm {
+        db.prewarm().await?;
+    }
     let rows = db.row_count().await?;
     let sizes = db.sizes().await?;
     println!(
