@@ -102,21 +102,48 @@ const SCENARIOS: &[Scenario] = &[
         baseline: "fingerprint + the store's INSERT … ON CONFLICT DO NOTHING RETURNING, then its \
                    COMPLETE UPDATE (by hand)",
         target: 0.95,
-        build: |ctx| Box::pin(build_pg_plain_new(ctx, ClaimStrategy::Combined)),
+        build: |ctx| Box::pin(build_pg_plain_new(ctx, ClaimStrategy::Combined, HAND_CLAIM)),
+    },
+    Scenario {
+        name: "pg-plain-new-same-sql",
+        layer_side: "as pg-plain-new (ClaimStrategy::Combined, the default)",
+        baseline: "fingerprint + the store's Combined CLAIM (its read of the record, which calls \
+                   the insert function for an absent key), then its COMPLETE UPDATE (by hand): \
+                   the layer's own overhead over the SQL it sends",
+        target: 0.95,
+        build: |ctx| {
+            Box::pin(build_pg_plain_new(
+                ctx,
+                ClaimStrategy::Combined,
+                HAND_COMBINED_CLAIM,
+            ))
+        },
     },
     Scenario {
         name: "pg-plain-new-insert-first",
         layer_side: "PostgresStore (ClaimStrategy::InsertFirst), new key per request",
         baseline: "as pg-plain-new",
         target: 0.95,
-        build: |ctx| Box::pin(build_pg_plain_new(ctx, ClaimStrategy::InsertFirst)),
+        build: |ctx| {
+            Box::pin(build_pg_plain_new(
+                ctx,
+                ClaimStrategy::InsertFirst,
+                HAND_CLAIM,
+            ))
+        },
     },
     Scenario {
         name: "pg-plain-new-read-first",
         layer_side: "PostgresStore (ClaimStrategy::ReadFirst), new key per request",
         baseline: "as pg-plain-new",
         target: 0.95,
-        build: |ctx| Box::pin(build_pg_plain_new(ctx, ClaimStrategy::ReadFirst)),
+        build: |ctx| {
+            Box::pin(build_pg_plain_new(
+                ctx,
+                ClaimStrategy::ReadFirst,
+                HAND_CLAIM,
+            ))
+        },
     },
     Scenario {
         name: "pg-replay",
@@ -306,6 +333,19 @@ VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'),
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING k.lease_token AS inserted";
 
+/// The claim of `ClaimStrategy::Combined`, by hand: the store's `CLAIM` statement, as it is
+/// (for the `pg-plain-new-same-sql` baseline, the SQL the default store sends).
+const HAND_COMBINED_CLAIM: &str = "SELECT CASE WHEN scope IS NULL
+                 THEN tower_idempotency_insert_key($1, $2, $3, $4, $5) END AS inserted,
+               fingerprint, lease_token, expires_at <= now() AS expired,
+               (expires_at <= now()
+                OR (lease_token IS NOT NULL AND lease_expires_at <= now() AND fingerprint = $3))
+                   AS claimable,
+               (extract(epoch FROM lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
+               response_status, response_headers, response_body
+          FROM (SELECT) AS one
+          LEFT JOIN tower_idempotency_keys ON scope = $1 AND key = $2";
+
 /// The store's COMPLETE statement, as it is.
 const HAND_COMPLETE: &str = "
 UPDATE tower_idempotency_keys
@@ -330,10 +370,23 @@ const HAND_SELECT: &str = "SELECT fingerprint, lease_token, expires_at <= now() 
 const LEASE_MS: i64 = 30_000;
 const TTL_MS: i64 = 24 * 3600 * 1000;
 
+/// The `pg-plain-new` baselines' state: the pool, and the claim statement they send.
+#[derive(Clone)]
+struct PlainBaseline {
+    pool: PgPool,
+    /// [`HAND_CLAIM`] or [`HAND_COMBINED_CLAIM`]: the token of the inserted record comes
+    /// back in the first column (`inserted`) either way.
+    claim: &'static str,
+}
+
 /// By hand, what the layer does with a Postgres store for a new key: fingerprint, claim
-/// (one insert), run the handler, complete (one update).
-async fn pg_plain_baseline(State(pool): State<PgPool>, parts: Parts, body: Bytes) -> Response {
-    match pg_plain(&pool, &parts, &body).await {
+/// (one statement), run the handler, complete (one update).
+async fn pg_plain_baseline(
+    State(hand): State<PlainBaseline>,
+    parts: Parts,
+    body: Bytes,
+) -> Response {
+    match pg_plain(&hand, &parts, &body).await {
         Ok(res) => res,
         Err(e) => {
             eprintln!("baseline: {e}");
@@ -342,19 +395,23 @@ async fn pg_plain_baseline(State(pool): State<PgPool>, parts: Parts, body: Bytes
     }
 }
 
-async fn pg_plain(pool: &PgPool, parts: &Parts, body: &Bytes) -> Result<Response, BoxError> {
+async fn pg_plain(hand: &PlainBaseline, parts: &Parts, body: &Bytes) -> Result<Response, BoxError> {
+    let pool = &hand.pool;
     let Some(key) = key_of(&parts.headers) else {
         return Ok(problem(StatusCode::BAD_REQUEST));
     };
     let fp = fingerprint(parts, &[], body);
-    let token: Option<i64> = sqlx::query_scalar(HAND_CLAIM)
+    // The insert returns no row on a conflict; Combined's claim returns a row with a NULL
+    // token.
+    let token: Option<i64> = sqlx::query_scalar::<_, Option<i64>>(hand.claim)
         .bind("")
         .bind(key)
         .bind(&fp.as_bytes()[..])
         .bind(LEASE_MS)
         .bind(TTL_MS)
         .fetch_optional(pool)
-        .await?;
+        .await?
+        .flatten();
     let Some(token) = token else {
         return Ok(problem(StatusCode::CONFLICT));
     };
@@ -379,13 +436,20 @@ async fn pg_plain(pool: &PgPool, parts: &Parts, body: &Bytes) -> Result<Response
     Ok((status, headers, answer).into_response())
 }
 
-async fn build_pg_plain_new(ctx: &Ctx, strategy: ClaimStrategy) -> Result<Built, BoxError> {
+async fn build_pg_plain_new(
+    ctx: &Ctx,
+    strategy: ClaimStrategy,
+    claim: &'static str,
+) -> Result<Built, BoxError> {
     let schema = PgSchema::new(ctx.args.pool).await?;
     let store = PostgresStore::new(schema.pool.clone()).with_claim_strategy(strategy);
     store.migrate().await?;
     let baseline = Router::new()
         .route(PATH, post(pg_plain_baseline))
-        .with_state(schema.pool.clone());
+        .with_state(PlainBaseline {
+            pool: schema.pool.clone(),
+            claim,
+        });
     let layer = Router::new()
         .route(PATH, post(create))
         .layer(IdempotencyLayer::new(store));

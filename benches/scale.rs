@@ -328,12 +328,21 @@ impl Db {
     async fn prewarm(&self) -> Result<(), BoxError> {
         self.exec("CREATE EXTENSION IF NOT EXISTS pg_prewarm")
             .await?;
-        let blocks = self
-            .scalar(
-                "SELECT pg_prewarm('tower_idempotency_keys') \
-                      + pg_prewarm('tower_idempotency_keys_pkey')",
-            )
-            .await?;
+        // Where the extension lives: here, or wherever an earlier run left it.
+        let (ext_schema,): (String,) = sqlx::query_as(
+            "SELECT n.nspname::text FROM pg_extension AS e \
+               JOIN pg_namespace AS n ON n.oid = e.extnamespace \
+              WHERE e.extname = 'pg_prewarm'",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        let ext = ext_schema.replace('"', "\"\"");
+        let (blocks,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT \"{ext}\".pg_prewarm('tower_idempotency_keys'::regclass) \
+                  + \"{ext}\".pg_prewarm('tower_idempotency_keys_pkey'::regclass)"
+        )))
+        .fetch_one(&self.pool)
+        .await?;
         let buffers = self
             .scalar("SELECT setting::bigint FROM pg_settings WHERE name = 'shared_buffers'")
             .await?;
