@@ -12,8 +12,13 @@
 //! once with the same route *without* the layer, whose handler does by hand the work the layer
 //! would do (the baseline; for `pg-tx`, the handler's own transaction with no idempotency at
 //! all). The Postgres scenarios exist once per `ClaimStrategy` (`pg-plain-new`, `pg-replay`:
-//! the default, `Combined`; `-insert-first`, `-read-first`). A client in a second runtime opens `--connections` keep-alive
-//! connections, sends requests on each back to back for `--warmup` seconds (not counted), then
+//! the default, `Combined`; `-insert-first`, `-read-first`). `pg-plain-new-same-sql` sets the
+//! default store against its own SQL by hand (`pg-plain-new`'s baseline sends the cheaper
+//! insert-first SQL). Two references have no layer on either side: `pg-tx-by-hand` sends the
+//! layer's transactional SQL by hand around `pg-tx`'s handler (what the layer adds beyond
+//! its SQL), `pg-tx-record-only` the same without the claim (the ceiling of any design that
+//! keeps the record in the handler's transaction). A client in a second runtime opens
+//! `--connections` keep-alive connections, sends requests on each back to back for `--warmup` seconds (not counted), then
 //! for `--seconds` seconds, and reports requests per second and the p50/p99 latency of the
 //! requests completed in that window. The ratio is layer ÷ baseline requests per second.
 //! With `--rounds N` the sides run N times each, alternating which goes first, and the
@@ -205,6 +210,9 @@ struct Built {
     /// The Postgres schema the scenario works in (emptied between sides for new keys,
     /// dropped at the end).
     schema: Option<PgSchema>,
+    /// Builds the (layer, baseline) routers anew, with empty in-process state, for each side
+    /// (used instead of `layer` and `baseline`).
+    fresh: Option<fn() -> (Router, Router)>,
 }
 
 /// Which keys the client sends.
@@ -299,19 +307,28 @@ async fn memory_baseline(State(map): State<MemoryBaseline>, parts: Parts, body: 
         .into_response()
 }
 
-async fn build_memory_new(_ctx: &Ctx) -> Result<Built, BoxError> {
-    let baseline = Router::new()
-        .route(PATH, post(memory_baseline))
-        .with_state(MemoryBaseline::default());
+/// The two routers of `memory-new`, each with an empty store (a new pair for every side, as
+/// the Postgres scenarios empty their tables: a store that kept the previous rounds' keys
+/// would make later rounds work on a bigger map).
+fn memory_routers() -> (Router, Router) {
     let layer = Router::new()
         .route(PATH, post(create))
         .layer(IdempotencyLayer::new(MemoryStore::new()));
+    let baseline = Router::new()
+        .route(PATH, post(memory_baseline))
+        .with_state(MemoryBaseline::default());
+    (layer, baseline)
+}
+
+async fn build_memory_new(_ctx: &Ctx) -> Result<Built, BoxError> {
+    let (layer, baseline) = memory_routers();
     Ok(Built {
         layer,
         baseline,
         keys: KeyPlan::New,
         expect: StatusCode::CREATED,
         schema: None,
+        fresh: Some(memory_routers),
     })
 }
 
@@ -459,6 +476,7 @@ async fn build_pg_plain_new(
         keys: KeyPlan::New,
         expect: StatusCode::CREATED,
         schema: Some(schema),
+        fresh: None,
     })
 }
 
@@ -547,6 +565,7 @@ async fn build_pg_replay(ctx: &Ctx, strategy: ClaimStrategy) -> Result<Built, Bo
         keys: KeyPlan::Replay { count },
         expect: StatusCode::CREATED,
         schema: Some(schema),
+        fresh: None,
     })
 }
 
@@ -639,6 +658,7 @@ async fn build_pg_tx(ctx: &Ctx) -> Result<Built, BoxError> {
         keys: KeyPlan::New,
         expect: StatusCode::CREATED,
         schema: Some(schema),
+        fresh: None,
     })
 }
 
@@ -756,6 +776,7 @@ async fn build_pg_tx_by_hand(ctx: &Ctx, claim: bool) -> Result<Built, BoxError> 
         keys: KeyPlan::New,
         expect: StatusCode::CREATED,
         schema: Some(schema),
+        fresh: None,
     })
 }
 
@@ -1346,10 +1367,14 @@ fn run_side(
     if let (KeyPlan::New, Some(schema)) = (built.keys, &built.schema) {
         server_rt.block_on(schema.truncate())?;
     }
+    let (layer, baseline) = match built.fresh {
+        Some(fresh) => fresh(),
+        None => (built.layer.clone(), built.baseline.clone()),
+    };
     let (router, tag) = if layered {
-        (built.layer.clone(), format!("layer{round}"))
+        (layer, format!("layer{round}"))
     } else {
-        (built.baseline.clone(), format!("base{round}"))
+        (baseline, format!("base{round}"))
     };
     let db_pids = match &built.schema {
         Some(schema) => server_rt.block_on(schema.backend_pids())?,
