@@ -18,9 +18,10 @@
 //! layer's transactional SQL by hand around `pg-tx`'s handler (what the layer adds beyond
 //! its SQL), `pg-tx-record-only` the same without the claim (the ceiling of any design that
 //! keeps the record in the handler's transaction). A client in a second runtime opens
-//! `--connections` keep-alive connections, sends requests on each back to back for `--warmup` seconds (not counted), then
-//! for `--seconds` seconds, and reports requests per second and the p50/p99 latency of the
-//! requests completed in that window. The ratio is layer ÷ baseline requests per second.
+//! `--connections` keep-alive connections, sends requests on each back to back for
+//! `--warmup` seconds (not counted), then for `--seconds` seconds, and reports requests per
+//! second and the p50/p99 latency of the requests completed in that window. The ratio is
+//! layer ÷ baseline requests per second.
 //! With `--rounds N` the sides run N times each, alternating which goes first, and the
 //! figures are over all rounds.
 //!
