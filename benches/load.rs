@@ -179,7 +179,7 @@ const SCENARIOS: &[Scenario] = &[
                      row through IdempotentTx",
         baseline: "BEGIN, the same payment INSERT, COMMIT (pool.begin(); no idempotency)",
         target: 0.8,
-        build: |ctx| Box::pin(build_pg_tx(ctx)),
+        build: |ctx| Box::pin(build_pg_tx(ctx, TxSide::Layer)),
     },
     Scenario {
         name: "pg-tx-by-hand",
@@ -188,7 +188,7 @@ const SCENARIOS: &[Scenario] = &[
                      with COMMIT): what the layer adds to its own SQL",
         baseline: "as pg-tx",
         target: 0.8,
-        build: |ctx| Box::pin(build_pg_tx_by_hand(ctx, true)),
+        build: |ctx| Box::pin(build_pg_tx(ctx, TxSide::ByHand { claim: true })),
     },
     Scenario {
         name: "pg-tx-record-only",
@@ -197,7 +197,7 @@ const SCENARIOS: &[Scenario] = &[
                      keeps the record in the handler's transaction",
         baseline: "as pg-tx",
         target: 0.8,
-        build: |ctx| Box::pin(build_pg_tx_by_hand(ctx, false)),
+        build: |ctx| Box::pin(build_pg_tx(ctx, TxSide::ByHand { claim: false })),
     },
 ];
 
@@ -641,7 +641,17 @@ async fn pay_in_own_tx(State(pool): State<PgPool>, body: Bytes) -> Response {
     }
 }
 
-async fn build_pg_tx(ctx: &Ctx) -> Result<Built, BoxError> {
+/// What `pg-tx`'s and its references' first side runs around the payments handler.
+#[derive(Clone, Copy)]
+enum TxSide {
+    /// The transactional layer (`pg-tx`).
+    Layer,
+    /// The layer's SQL by hand, with the claim (`pg-tx-by-hand`) or without it
+    /// (`pg-tx-record-only`).
+    ByHand { claim: bool },
+}
+
+async fn build_pg_tx(ctx: &Ctx, side: TxSide) -> Result<Built, BoxError> {
     let mut schema = PgSchema::new(ctx.args.pool).await?;
     let store = PostgresStore::new(schema.pool.clone());
     store.migrate().await?;
@@ -650,9 +660,19 @@ async fn build_pg_tx(ctx: &Ctx) -> Result<Built, BoxError> {
     let baseline = Router::new()
         .route(PATH, post(pay_in_own_tx))
         .with_state(schema.pool.clone());
-    let layer = Router::new()
-        .route(PATH, post(pay_in_layer_tx))
-        .layer(IdempotencyLayer::new(store.transactional()));
+    let layer = match side {
+        TxSide::Layer => Router::new()
+            .route(PATH, post(pay_in_layer_tx))
+            .layer(IdempotencyLayer::new(store.transactional())),
+        TxSide::ByHand { claim } => {
+            Router::new()
+                .route(PATH, post(pay_by_hand))
+                .with_state(ByHand {
+                    pool: schema.pool.clone(),
+                    claim,
+                })
+        }
+    };
     Ok(Built {
         layer,
         baseline,
@@ -755,30 +775,6 @@ fn push_hex(sql: &mut String, bytes: &[u8]) {
         sql.push(char::from(HEX[usize::from(b & 15)]));
     }
     sql.push_str("','hex')");
-}
-
-async fn build_pg_tx_by_hand(ctx: &Ctx, claim: bool) -> Result<Built, BoxError> {
-    let mut schema = PgSchema::new(ctx.args.pool).await?;
-    PostgresStore::new(schema.pool.clone()).migrate().await?;
-    sqlx::query(PAYMENTS_DDL).execute(&schema.pool).await?;
-    schema.tables.push("payments");
-    let baseline = Router::new()
-        .route(PATH, post(pay_in_own_tx))
-        .with_state(schema.pool.clone());
-    let layer = Router::new()
-        .route(PATH, post(pay_by_hand))
-        .with_state(ByHand {
-            pool: schema.pool.clone(),
-            claim,
-        });
-    Ok(Built {
-        layer,
-        baseline,
-        keys: KeyPlan::New,
-        expect: StatusCode::CREATED,
-        schema: Some(schema),
-        fresh: None,
-    })
 }
 
 fn replay_key(i: usize) -> String {
