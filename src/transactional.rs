@@ -65,8 +65,9 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use sha2::{Digest, Sha256};
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
-use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
+use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use tower_service::Service;
 
@@ -79,7 +80,9 @@ use crate::service::{
     Outcome, Prepared, Taken, answer_taken, log_store_error, prepare, record, render, to_store,
 };
 use crate::store::PostgresStore;
-use crate::store::postgres::{db_error, decode_response, millis, status_column};
+use crate::store::postgres::{
+    db_error, decode_response, is_serialization_failure, millis, status_column,
+};
 
 /// A [`PostgresStore`] in transactional mode; made by
 /// [`PostgresStore::transactional`]. Use it as the layer's store:
@@ -87,6 +90,30 @@ use crate::store::postgres::{db_error, decode_response, millis, status_column};
 #[derive(Clone, Debug)]
 pub struct Transactional {
     store: PostgresStore,
+    isolation: Option<IsolationLevel>,
+}
+
+/// The isolation level of the transaction that transactional mode opens for a request
+/// ([`Transactional::with_isolation`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum IsolationLevel {
+    /// `READ COMMITTED`, Postgres's default.
+    ReadCommitted,
+    /// `REPEATABLE READ`.
+    RepeatableRead,
+    /// `SERIALIZABLE`.
+    Serializable,
+}
+
+impl IsolationLevel {
+    fn begin(self) -> &'static str {
+        match self {
+            Self::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            Self::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
+            Self::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        }
+    }
 }
 
 impl PostgresStore {
@@ -95,6 +122,7 @@ impl PostgresStore {
     pub fn transactional(&self) -> Transactional {
         Transactional {
             store: self.clone(),
+            isolation: None,
         }
     }
 }
@@ -104,6 +132,21 @@ impl Transactional {
     pub fn store(&self) -> &PostgresStore {
         &self.store
     }
+
+    /// The isolation level of each request's transaction. By default the transaction has the
+    /// connection's default level (`default_transaction_isolation`: the server's, the
+    /// database's or the role's setting, or the connection's options), as any `BEGIN` would.
+    ///
+    /// The layer is correct at every level: the handler runs once per key under `READ
+    /// COMMITTED`, `REPEATABLE READ` and `SERIALIZABLE` alike, and under `SERIALIZABLE` the
+    /// layer's own statements never make requests with different keys fail each other. A
+    /// serialization failure caused by the handler's own work surfaces as the handler's
+    /// statement failing (the handler decides the answer) or at the commit, which the layer
+    /// answers `503` with `Retry-After`, having stored nothing.
+    pub fn with_isolation(mut self, level: IsolationLevel) -> Self {
+        self.isolation = Some(level);
+        self
+    }
 }
 
 impl Mode for Transactional {}
@@ -112,11 +155,17 @@ impl Mode for Transactional {}
 ///
 /// The layer inserts it into the request's extensions (and, with the `axum` feature, it is
 /// an extractor). Clone it freely; all clones share the one transaction. The layer commits it
-/// after the handler answers (or rolls it back, on a `5xx` or an error): never commit it
-/// yourself, and do not keep a [`TxConn`] beyond the handler.
+/// after the handler answers (or rolls it back, on a `5xx` or an error): never commit or roll
+/// it back yourself, and do not keep a [`TxConn`] beyond the handler.
+///
+/// A statement that fails leaves a Postgres transaction *aborted*: nothing the handler wrote
+/// before can commit any more. To recover from an expected error (a unique violation you turn
+/// into your own `409`) and keep earlier writes, wrap the statement in a `SAVEPOINT` and roll
+/// back to it. If the handler answers after a failure without doing so, the layer rolls its
+/// writes back and stores the handler's answer on its own (see [`crate::transactional`]).
 #[derive(Clone)]
 pub struct IdempotentTx {
-    slot: Arc<Mutex<Option<Transaction<'static, Postgres>>>>,
+    slot: Arc<Mutex<Option<OpenTx>>>,
 }
 
 /// A borrowed connection inside the request's transaction; use `&mut *conn` as a sqlx
@@ -137,10 +186,13 @@ impl IdempotentTx {
     ///
     /// [`TxFinished`] when the layer already ended the transaction.
     pub async fn conn(&self) -> Result<TxConn<'_>, TxFinished> {
-        MutexGuard::try_map(self.slot.lock().await, |tx| tx.as_deref_mut()).map_err(|_| TxFinished)
+        MutexGuard::try_map(self.slot.lock().await, |tx| {
+            tx.as_mut().and_then(|tx| tx.conn.as_deref_mut())
+        })
+        .map_err(|_| TxFinished)
     }
 
-    fn take(&self) -> Option<Transaction<'static, Postgres>> {
+    fn take(&self) -> Option<OpenTx> {
         // `try_lock` fails only if the handler still holds a `TxConn` after answering (it
         // moved one into a task that outlives it); the transaction is then not ours to end.
         self.slot.try_lock().ok().and_then(|mut tx| tx.take())
@@ -153,29 +205,67 @@ impl std::fmt::Debug for IdempotentTx {
     }
 }
 
-/// What the claim found when the key was not free, read after its batch failed: the record
-/// (plain `SELECT`, outside any transaction).
-const TX_READ: &str = "
-SELECT k.fingerprint, k.lease_token,
-       (extract(epoch FROM k.lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
-       k.response_status, k.response_headers, k.response_body
-  FROM tower_idempotency_keys AS k
- WHERE k.scope = $1 AND k.key = $2 AND k.expires_at > now()";
+/// A pooled connection with a transaction open on it, which must never go back to the pool
+/// open. The layer manages the transaction with its own statements (so that the claim's
+/// answer comes back in the same message as `BEGIN`); sqlx's pool does not know about it.
+/// Dropped while still holding the connection (a panic, a dropped request), it closes the
+/// connection: Postgres rolls the transaction back and releases its locks.
+struct OpenTx {
+    conn: Option<PoolConnection<Postgres>>,
+}
 
-/// SQLSTATEs raised by the claim function (`migrations/0003_transactional_claim.sql`).
-const IN_FLIGHT: &str = "TI001";
-const HAS_RECORD: &str = "TI002";
+impl OpenTx {
+    /// Rolls the transaction back and returns the connection to the pool (closing it if the
+    /// rollback fails).
+    async fn rollback(mut self) {
+        if let Some(mut conn) = self.conn.take()
+            && let Err(e) = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await
+        {
+            tracing::debug!(error = &e as &dyn std::error::Error, "rollback failed");
+            conn.close_on_drop();
+        }
+    }
 
-/// The keys table's primary key: the completion's insert violates it when a plain-mode
-/// request claimed the key after this transaction's claim looked.
-const KEYS_PKEY: &str = "tower_idempotency_keys_pkey";
+    /// Rolls back off the request's path.
+    fn rollback_later(self) {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            tokio::spawn(self.rollback());
+        }
+        // Without a runtime, the drop closes the connection instead.
+    }
 
-/// How often a claim whose record vanished between the batch and the read (expired and
-/// purged in that instant) is tried again before answering "in flight".
+    /// The transaction ended (committed): the connection goes back to the pool as it is.
+    fn ended(mut self) {
+        drop(self.conn.take());
+    }
+
+    fn conn(&mut self) -> Result<&mut PgConnection, StoreError> {
+        self.conn
+            .as_deref_mut()
+            .ok_or_else(|| StoreError::backend("the transaction's connection is gone"))
+    }
+}
+
+impl Drop for OpenTx {
+    fn drop(&mut self) {
+        if let Some(conn) = &mut self.conn {
+            conn.close_on_drop();
+        }
+    }
+}
+
+/// The name of the savepoint set right after the claim, before the handler runs.
+const HANDLER_SAVEPOINT: &str = "tower_idempotency_handler";
+
+/// How often a claim is tried again when it lost a race (a record committed after its
+/// snapshot, or one that vanished between two looks) before answering "in flight".
 const CLAIM_ATTEMPTS: usize = 3;
 
 /// The `Retry-After` of a key held by another transaction (its end is not known).
 const HELD_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// SQLSTATE 25P02: a statement was sent in a transaction that an earlier error aborted.
+const IN_FAILED_TRANSACTION: &str = "25P02";
 
 /// The advisory lock of a (scope, key): 64 bits of its SHA-256.
 fn lock_id(scope: &str, key: &str) -> i64 {
@@ -190,12 +280,12 @@ fn lock_id(scope: &str, key: &str) -> i64 {
     i64::from_be_bytes(first)
 }
 
-/// What [`TX_READ`] found: the key taken, or (`None`) free again.
-fn classify(row: Option<&PgRow>, fingerprint: &[u8]) -> Result<Option<Taken>, StoreError> {
-    let Some(row) = row else {
+/// What a record returned by the claim batch means for this request: the key taken, or
+/// (`None`) free again.
+fn classify(row: &PgRow, fingerprint: &[u8]) -> Result<Option<Taken>, StoreError> {
+    let Some(fp) = row.try_get::<Option<Vec<u8>>, _>("fingerprint")? else {
         return Ok(None);
     };
-    let fp: Vec<u8> = row.try_get("fingerprint")?;
     if fp != fingerprint {
         return Ok(Some(Taken::Mismatch));
     }
@@ -218,28 +308,43 @@ fn sqlstate(err: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
 /// Appends `bytes` to `sql` as an expression of type `bytea`. Only hex digits are copied into
 /// the statement, so no value can change its meaning.
 fn push_bytea(sql: &mut String, bytes: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     sql.reserve(bytes.len() * 2 + 24);
     sql.push_str("decode('");
+    push_hex(sql, bytes);
+    sql.push_str("','hex')");
+}
+
+fn push_hex(sql: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     for &b in bytes {
         sql.push(char::from(HEX[usize::from(b >> 4)]));
         sql.push(char::from(HEX[usize::from(b & 0xf)]));
     }
-    sql.push_str("','hex')");
 }
 
-/// Appends `text` to `sql` as a string constant, `E'…'` with quotes and backslashes doubled.
+/// Appends `text` to `sql` as an expression of type `text` whose meaning does not depend on
+/// any session setting.
 ///
-/// An escape-string constant reads the same whatever `standard_conforming_strings` says, and
-/// sqlx always sets `client_encoding` to UTF-8, in which no byte of a multibyte character is
-/// a quote or a backslash. A NUL would end the statement early (the protocol's strings are
-/// NUL-terminated); Postgres text cannot hold one anyway, so it is an error here too. (Hex
-/// with `convert_from` would need no escaping, but costs the server milliseconds per call.)
+/// Only ASCII ever reaches the statement: ASCII text (keys are ASCII; scopes reach stores as
+/// a hex digest) as an escape-string constant `E'…'` with quotes and backslashes doubled,
+/// which reads the same whatever `standard_conforming_strings` and `backslash_quote` say, and
+/// in every client encoding (all of them are ASCII supersets); any other text as hex bytes
+/// converted on the server (`convert_from(…, 'UTF8')`), so a client encoding such as SJIS or
+/// BIG5, whose multibyte characters can contain the byte of a backslash or a quote, cannot
+/// move the end of the constant. A NUL would end the statement early (the protocol's strings
+/// are NUL-terminated); Postgres text cannot hold one anyway, so it is an error here too.
 fn push_text(sql: &mut String, text: &str) -> Result<(), StoreError> {
     if text.contains('\0') {
         return Err(StoreError::backend(
             "a scope or key contains a NUL character",
         ));
+    }
+    if !text.is_ascii() {
+        sql.reserve(text.len() * 2 + 40);
+        sql.push_str("convert_from(decode('");
+        push_hex(sql, text.as_bytes());
+        sql.push_str("','hex'),'UTF8')");
+        return Ok(());
     }
     sql.reserve(text.len() + 3);
     sql.push_str("E'");
@@ -254,130 +359,261 @@ fn push_text(sql: &mut String, text: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// The claim batch: the claim first, then `BEGIN`. Both run in one transaction: the claim in
-/// the implicit transaction of the simple query, which `BEGIN` turns into the explicit one
-/// (keeping its advisory lock). When the claim raises, `BEGIN` never runs and the
-/// connection is left outside any transaction, as the pool expects it.
-fn claim_batch(scope: &str, key: &str, fingerprint: &[u8]) -> Result<String, StoreError> {
-    let mut sql = String::with_capacity(160 + 4 * (scope.len() + key.len() + fingerprint.len()));
-    sql.push_str("SELECT tower_idempotency_claim_in_tx(");
-    sql.push_str(&lock_id(scope, key).to_string());
-    sql.push(',');
-    push_text(&mut sql, scope)?;
-    sql.push(',');
-    push_text(&mut sql, key)?;
-    sql.push(',');
-    push_bytea(&mut sql, fingerprint);
-    sql.push_str("); BEGIN");
-    Ok(sql)
-}
+/// The record's columns, as the claim function returns them.
+const RECORD_COLUMNS: &str = "k.fingerprint, k.lease_token, \
+     (extract(epoch FROM k.lease_expires_at - now()) * 1000)::bigint AS lease_left_ms, \
+     k.response_status, k.response_headers, k.response_body";
 
-/// The completion batch: the answer inserted, `COMMIT`, then `BEGIN` of an empty transaction.
+/// The claim batch, one message:
 ///
-/// The claim deleted any stale record, so a plain `INSERT` stores the answer; should a
-/// plain-mode request on the same table have claimed the key since, the insert violates the
-/// primary key, the rest of the batch is skipped and nothing commits.
+/// 1. a look at the key's record in a `READ COMMITTED`, read-only transaction of its own,
+///    which returns a live record (completed, claimed in plain mode, or with another payload)
+///    without taking any lock — so concurrent replays never see each other as "in flight" —
+///    and, being outside the request's transaction, takes no predicate locks in it under
+///    `SERIALIZABLE`;
+/// 2. `BEGIN` of the request's transaction (at the configured isolation level);
+/// 3. the claim (`tower_idempotency_claim_tx`, migration 5) in it: the advisory lock, the
+///    placeholder record, or the record that holds the key;
+/// 4. a savepoint, so that a handler that leaves the transaction aborted can still have its
+///    answer stored with the key.
 ///
-/// sqlx's `Transaction` counts the transactions it opened; once the `COMMIT` ran inside the
-/// batch it would still count this one as open, and roll it back when dropped. The trailing
-/// `BEGIN` opens the (empty) transaction that rollback ends: it takes no snapshot and no
-/// transaction id, and sqlx flushes the rollback as the connection goes back to the pool,
-/// off the request's path. If the insert or the commit fails, the rest of the batch is
-/// skipped and that same rollback ends the failed transaction.
-fn completion_batch(
+/// When the look finds a live record the claim's outcome is ignored and the transaction
+/// rolled back. No statement raises an error for a replay, an in-flight key or a mismatch, so
+/// the server logs none.
+fn claim_batch(
     scope: &str,
     key: &str,
     fingerprint: &[u8],
+    isolation: Option<IsolationLevel>,
+) -> Result<String, StoreError> {
+    let mut s_arg = String::with_capacity(scope.len() + 8);
+    push_text(&mut s_arg, scope)?;
+    let mut k_arg = String::with_capacity(key.len() + 8);
+    push_text(&mut k_arg, key)?;
+    let mut fp_arg = String::with_capacity(2 * fingerprint.len() + 24);
+    push_bytea(&mut fp_arg, fingerprint);
+
+    let mut sql = String::with_capacity(900 + 2 * (s_arg.len() + k_arg.len() + fp_arg.len()));
+    sql.push_str("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SELECT 'look' AS step, ");
+    sql.push_str(RECORD_COLUMNS);
+    sql.push_str(" FROM tower_idempotency_keys AS k WHERE k.scope = ");
+    sql.push_str(&s_arg);
+    sql.push_str(" AND k.key = ");
+    sql.push_str(&k_arg);
+    sql.push_str(
+        " AND k.expires_at > now() AND (k.lease_token IS NULL OR k.lease_expires_at > now() \
+         OR k.fingerprint <> ",
+    );
+    sql.push_str(&fp_arg);
+    sql.push_str("); COMMIT; ");
+    sql.push_str(isolation.map_or("BEGIN", IsolationLevel::begin));
+    sql.push_str("; SELECT 'claim' AS step, c.* FROM tower_idempotency_claim_tx(");
+    sql.push_str(&lock_id(scope, key).to_string());
+    for arg in [&s_arg, &k_arg, &fp_arg] {
+        sql.push(',');
+        sql.push_str(arg);
+    }
+    sql.push_str(") AS c; SAVEPOINT ");
+    sql.push_str(HANDLER_SAVEPOINT);
+    Ok(sql)
+}
+
+/// The placeholder's row id as the claim returned it (`(block,offset)`), checked to be only
+/// that before it is written into a statement.
+fn checked_row_id(row: &str) -> Result<&str, StoreError> {
+    let inner = row
+        .strip_prefix('(')
+        .and_then(|r| r.strip_suffix(')'))
+        .and_then(|r| r.split_once(','));
+    match inner {
+        Some((block, offset))
+            if !block.is_empty()
+                && !offset.is_empty()
+                && block
+                    .bytes()
+                    .chain(offset.bytes())
+                    .all(|b| b.is_ascii_digit()) =>
+        {
+            Ok(row)
+        }
+        _ => Err(StoreError::Corrupt(format!(
+            "the claim returned an invalid row id {row:?}"
+        ))),
+    }
+}
+
+/// The completion: the placeholder becomes the completed record (its times taken when this
+/// statement runs), then `COMMIT` — one message. `rollback_handler` first rolls the
+/// handler's writes back to the savepoint (the handler left the transaction aborted).
+fn completion_batch(
+    claimed: &Placeholder,
     ttl: Duration,
     stored: &StoredResponse,
+    rollback_handler: bool,
 ) -> Result<String, StoreError> {
     let status = status_column(stored)?;
     let headers = stored.encode_headers();
     let body = stored.body();
     let body_len = body.map_or(0, |b| b.len());
     let mut sql = String::with_capacity(
-        400 + 2 * (scope.len() + key.len() + fingerprint.len() + headers.len() + body_len),
+        300 + 2 * (claimed.scope.len() + claimed.key.len() + headers.len() + body_len),
     );
-    sql.push_str(
-        "INSERT INTO tower_idempotency_keys (scope, key, fingerprint, expires_at, \
-         completed_at, response_status, response_headers, response_body) VALUES (",
-    );
-    push_text(&mut sql, scope)?;
+    if rollback_handler {
+        sql.push_str("ROLLBACK TO SAVEPOINT ");
+        sql.push_str(HANDLER_SAVEPOINT);
+        sql.push_str("; ");
+    }
+    sql.push_str("SELECT tower_idempotency_complete_tx('");
+    sql.push_str(checked_row_id(&claimed.row)?);
+    sql.push_str("',");
+    push_text(&mut sql, &claimed.scope)?;
     sql.push(',');
-    push_text(&mut sql, key)?;
+    push_text(&mut sql, &claimed.key)?;
     sql.push(',');
-    push_bytea(&mut sql, fingerprint);
-    sql.push_str(",now()+");
     sql.push_str(&millis(ttl).to_string());
-    sql.push_str("*interval '1 millisecond',now(),");
-    sql.push_str(&status.to_string());
     sql.push(',');
+    sql.push_str(&status.to_string());
+    sql.push_str("::smallint,");
     push_bytea(&mut sql, &headers);
     sql.push(',');
     match body {
         Some(body) => push_bytea(&mut sql, body),
         None => sql.push_str("NULL"),
     }
-    sql.push_str("); COMMIT; BEGIN");
+    sql.push_str("); COMMIT");
     Ok(sql)
 }
 
-/// Whether `err` says that the completion's insert found the key's record taken.
-fn stored_first(err: &sqlx::Error) -> bool {
-    err.as_database_error()
-        .is_some_and(|db| db.is_unique_violation() && db.constraint() == Some(KEYS_PKEY))
+/// The placeholder record of a key claimed in the request's transaction.
+struct Placeholder {
+    /// Its row id.
+    row: String,
+    scope: String,
+    key: String,
 }
 
-/// Opens the request's transaction with the key claimed in it (`Ok(Ok(tx))`), or says who
+/// Opens the request's transaction with the key claimed in it (`Ok(Ok(_))`), or says who
 /// holds the key (`Ok(Err(taken))`).
 async fn claim(
-    store: &PostgresStore,
+    tx_mode: &Transactional,
     scope: &str,
     key: &str,
     fingerprint: &[u8],
-) -> Result<Result<Transaction<'static, Postgres>, Taken>, StoreError> {
-    // Shared by the attempts (a clone is a reference count).
-    let batch: Arc<str> = claim_batch(scope, key, fingerprint)?.into();
+) -> Result<Result<(OpenTx, Placeholder), Taken>, StoreError> {
+    let batch = claim_batch(scope, key, fingerprint, tx_mode.isolation)?;
     for _ in 0..CLAIM_ATTEMPTS {
-        // In a task of its own: if the request is dropped while the batch is in flight, the
-        // task still finishes it, and the transaction it opened is rolled back when the task's
-        // output is dropped. (A `begin` dropped half-way would put a connection back into the
-        // pool with a transaction open that sqlx does not know about.)
-        let pool = store.pool().clone();
-        let statement = AssertSqlSafe(batch.clone());
-        let begun = tokio::spawn(async move { pool.begin_with(statement).await })
-            .await
-            .map_err(StoreError::backend)?;
-        let err = match begun {
-            Ok(tx) => return Ok(Ok(tx)),
-            Err(err) => err,
+        let conn = tx_mode.store.pool().acquire().await.map_err(db_error)?;
+        // From here a drop (the request went away mid-batch) closes the connection, so no
+        // transaction can go back to the pool open.
+        let mut tx = OpenTx { conn: Some(conn) };
+        let rows = sqlx::raw_sql(AssertSqlSafe(batch.as_str()))
+            .fetch_all(tx.conn()?)
+            .await;
+        let rows = match rows {
+            Ok(rows) => rows,
+            // A record committed after this transaction's snapshot (REPEATABLE READ,
+            // SERIALIZABLE): claim again; the look will find it. The connection is closed
+            // (by the drop), which also ends the failed transaction.
+            Err(e) if is_serialization_failure(&e) => continue,
+            Err(e) => return Err(db_error(e)),
         };
-        match sqlstate(&err).as_deref() {
-            Some(IN_FLIGHT) => return Ok(Err(Taken::InFlight(HELD_RETRY_AFTER))),
-            Some(HAS_RECORD) => {}
-            _ => return Err(db_error(err)),
-        }
-        let row = sqlx::query(TX_READ)
-            .bind(scope)
-            .bind(key)
-            .fetch_optional(store.pool())
-            .await
-            .map_err(db_error)?;
-        if let Some(taken) = classify(row.as_ref(), fingerprint)? {
+        let step = |name: &str| {
+            rows.iter()
+                .find(|r| r.try_get::<&str, _>("step").ok() == Some(name))
+        };
+        if let Some(look) = step("look")
+            && let Some(taken) = classify(look, fingerprint)?
+        {
+            tx.rollback_later();
             return Ok(Err(taken));
         }
-        // Expired (or abandoned) between the batch and the read: claim again.
+        let Some(claim) = step("claim") else {
+            return Err(StoreError::Corrupt("the claim returned no row".into()));
+        };
+        let outcome: &str = claim.try_get("outcome")?;
+        match outcome {
+            "acquired" => {
+                let row: String = claim.try_get("claimed_row")?;
+                let placeholder = Placeholder {
+                    row,
+                    scope: scope.to_owned(),
+                    key: key.to_owned(),
+                };
+                return Ok(Ok((tx, placeholder)));
+            }
+            "held" => {
+                tx.rollback_later();
+                return Ok(Err(Taken::InFlight(HELD_RETRY_AFTER)));
+            }
+            _ => {
+                let taken = classify(claim, fingerprint)?;
+                tx.rollback_later();
+                if let Some(taken) = taken {
+                    return Ok(Err(taken));
+                }
+                // Gone (released or purged) between the insert and the read: claim again.
+            }
+        }
     }
     Ok(Err(Taken::InFlight(HELD_RETRY_AFTER)))
 }
 
-async fn rollback(tx: Option<Transaction<'static, Postgres>>) {
-    if let Some(tx) = tx
-        && let Err(e) = tx.rollback().await
-    {
-        // The connection is gone, which rolls back too.
-        tracing::debug!(error = &e as &dyn std::error::Error, "rollback failed");
+async fn rollback(tx: Option<OpenTx>) {
+    if let Some(tx) = tx {
+        tx.rollback().await;
     }
+}
+
+/// How the completion ended.
+enum Completion {
+    /// The key and the handler's writes committed.
+    Committed,
+    /// The handler's writes were rolled back (it left the transaction aborted); its answer was
+    /// stored with the key.
+    StoredAlone,
+    /// Nothing committed.
+    Failed(sqlx::Error),
+}
+
+/// Stores the answer and commits. If the handler left the transaction aborted (a statement
+/// failed and was not rolled back to a savepoint), its writes cannot commit: they are rolled
+/// back to the savepoint set before it ran, and its answer is stored with the key alone, in
+/// the same transaction (the key's lock is never let go in between).
+async fn complete(
+    mut tx: OpenTx,
+    claimed: &Placeholder,
+    ttl: Duration,
+    stored: &StoredResponse,
+) -> Result<Completion, StoreError> {
+    let batch = completion_batch(claimed, ttl, stored, false)?;
+    let done = sqlx::raw_sql(AssertSqlSafe(batch))
+        .execute(tx.conn()?)
+        .await;
+    let err = match done {
+        Ok(_) => {
+            tx.ended();
+            return Ok(Completion::Committed);
+        }
+        Err(e) => e,
+    };
+    if sqlstate(&err).as_deref() != Some(IN_FAILED_TRANSACTION) {
+        tx.rollback_later();
+        return Ok(Completion::Failed(err));
+    }
+    let batch = completion_batch(claimed, ttl, stored, true)?;
+    let done = sqlx::raw_sql(AssertSqlSafe(batch))
+        .execute(tx.conn()?)
+        .await;
+    Ok(match done {
+        Ok(_) => {
+            tx.ended();
+            Completion::StoredAlone
+        }
+        Err(e) => {
+            tx.rollback_later();
+            Completion::Failed(e)
+        }
+    })
 }
 
 // See `mode::private`: the sealed trait's method uses crate-private types by design.
@@ -414,16 +650,17 @@ impl Sealed for Transactional {
             render(&config, &Rejection::StoreUnavailable)
         };
 
-        let claimed = claim(&self.store, &scope, key.as_str(), fingerprint.as_bytes()).await;
-        let tx = match claimed {
-            Ok(Ok(tx)) => tx,
+        let claimed = claim(&self, &scope, key.as_str(), fingerprint.as_bytes()).await;
+        let (tx, placeholder) = match claimed {
+            Ok(Ok(claimed)) => claimed,
             Ok(Err(taken)) => return Ok(answer_taken(&config, taken)),
             Err(e) => return Ok(unavailable(e, "claim a key; answered 503")),
         };
         record(Outcome::Executed);
 
-        // From here a drop (client gone, panic) drops the transaction: sqlx rolls it back
-        // and Postgres releases the advisory lock.
+        // From here a drop (a panic, or a request dropped with run-to-completion off) drops
+        // the transaction: its connection is closed, Postgres rolls it back and releases the
+        // key's lock.
         let handle = IdempotentTx {
             slot: Arc::new(Mutex::new(Some(tx))),
         };
@@ -446,42 +683,35 @@ impl Sealed for Transactional {
             rollback(handle.take()).await;
             return Ok(response);
         };
-
-        let batch = match completion_batch(
-            &scope,
-            key.as_str(),
-            fingerprint.as_bytes(),
-            config.ttl,
-            &stored,
-        ) {
-            Ok(batch) => batch,
-            Err(e) => {
-                rollback(handle.take()).await;
-                return Ok(unavailable(
-                    e,
-                    "store the answer; rolled back, answered 503",
-                ));
-            }
-        };
-        let Some(mut tx) = handle.take() else {
+        let Some(tx) = handle.take() else {
             tracing::error!(
                 "the handler kept the idempotent transaction past its answer; rolled back"
             );
             return Ok(render(&config, &Rejection::StoreUnavailable));
         };
-        let completed = sqlx::raw_sql(AssertSqlSafe(batch)).execute(&mut *tx).await;
-        // Committed or failed, the batch leaves an empty or a failed transaction for `tx`'s
-        // drop to roll back (see `completion_batch`).
-        drop(tx);
-        match completed {
-            Ok(_) => Ok(response),
-            // A plain-mode request on the same table claimed the key in the meantime.
-            Err(e) if stored_first(&e) => {
-                Ok(answer_taken(&config, Taken::InFlight(HELD_RETRY_AFTER)))
+        match complete(tx, &placeholder, config.ttl, &stored).await {
+            Ok(Completion::Committed) => Ok(response),
+            Ok(Completion::StoredAlone) => {
+                tracing::warn!(
+                    status = stored.status().as_u16(),
+                    "the idempotent handler answered after a statement of its transaction \
+                     failed: its writes were rolled back, and its answer was stored with the key"
+                );
+                Ok(response)
             }
-            Err(e) => Ok(unavailable(
+            // The handler's own work conflicted with another transaction's, found at the
+            // commit: nothing committed, and a retry may well succeed.
+            Ok(Completion::Failed(e)) if is_serialization_failure(&e) => Ok(unavailable(
+                db_error(e),
+                "commit (serialization failure); rolled back, answered 503",
+            )),
+            Ok(Completion::Failed(e)) => Ok(unavailable(
                 db_error(e),
                 "store the answer and commit; rolled back, answered 503",
+            )),
+            Err(e) => Ok(unavailable(
+                e,
+                "store the answer; rolled back, answered 503",
             )),
         }
     }
@@ -503,19 +733,62 @@ mod tests {
     }
 
     #[test]
-    fn batches_end_as_the_transaction_bookkeeping_expects() {
-        let claim = claim_batch("t", "k", &[1, 2]).unwrap();
-        assert!(claim.starts_with("SELECT tower_idempotency_claim_in_tx("));
-        assert!(claim.ends_with("); BEGIN"));
+    fn batches_open_and_end_the_transaction_themselves() {
+        let claim = claim_batch("t", "k", &[1, 2], None).unwrap();
+        assert!(claim.starts_with("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SELECT 'look'"));
+        assert!(claim.contains(
+            "; COMMIT; BEGIN; SELECT 'claim' AS step, c.* FROM tower_idempotency_claim_tx("
+        ));
+        assert!(claim.ends_with(
+            ",E't',E'k',decode('0102','hex')) AS c; SAVEPOINT tower_idempotency_handler"
+        ));
+        let serializable = claim_batch("t", "k", &[1], Some(IsolationLevel::Serializable)).unwrap();
+        assert!(
+            serializable.contains("; COMMIT; BEGIN ISOLATION LEVEL SERIALIZABLE; SELECT 'claim'")
+        );
         let stored = StoredResponse::new(
             http::StatusCode::CREATED,
             http::HeaderMap::new(),
             Bytes::from_static(b"{}"),
         );
-        let done = completion_batch("t", "k", &[1, 2], Duration::from_secs(1), &stored).unwrap();
-        assert!(done.starts_with("INSERT INTO tower_idempotency_keys "));
-        assert!(done.contains(",now()+1000*interval '1 millisecond',now(),201,"));
-        assert!(done.ends_with(",decode('7b7d','hex')); COMMIT; BEGIN"));
+        let placeholder = Placeholder {
+            row: "(0,7)".into(),
+            scope: "t".into(),
+            key: "k".into(),
+        };
+        let done = completion_batch(&placeholder, Duration::from_secs(1), &stored, false).unwrap();
+        assert_eq!(
+            done,
+            "SELECT tower_idempotency_complete_tx('(0,7)',E't',E'k',1000,201::smallint,\
+             decode('','hex'),decode('7b7d','hex')); COMMIT"
+        );
+        let again = completion_batch(&placeholder, Duration::from_secs(1), &stored, true).unwrap();
+        assert!(again.starts_with("ROLLBACK TO SAVEPOINT tower_idempotency_handler; SELECT "));
+    }
+
+    #[test]
+    fn only_ascii_reaches_the_statement() {
+        let mut sql = String::new();
+        push_text(&mut sql, "été'").unwrap();
+        assert_eq!(sql, "convert_from(decode('c3a974c3a927','hex'),'UTF8')");
+        assert!(sql.is_ascii());
+    }
+
+    #[test]
+    fn row_ids_are_checked_before_they_reach_a_statement() {
+        assert!(checked_row_id("(12,3)").is_ok());
+        for bad in [
+            "",
+            "()",
+            "(1,)",
+            "(,1)",
+            "(1,2",
+            "(1,2);DROP",
+            "(1;2)",
+            "('1',2)",
+        ] {
+            assert!(checked_row_id(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

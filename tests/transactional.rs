@@ -407,53 +407,57 @@ async fn an_expired_record_is_replaced() {
 }
 
 /// A plain-mode request on the same table that claims the key while the transactional
-/// request's handler runs wins: the transactional request's completion conflicts, nothing of
-/// it commits, and its client gets `409`.
+/// request's handler runs waits for that transaction (its record is not committed yet), then
+/// sees the completed record: one payment, and the plain-mode claim gets the transactional
+/// request's answer to replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_plain_mode_claim_made_meanwhile_rolls_the_request_back() {
+async fn a_plain_mode_claim_made_meanwhile_waits_and_replays_the_answer() {
     use tower_idempotency::{ClaimOutcome, ClaimRequest, IdempotencyKey, Store};
     let fx = Fx::new().await;
-    let store = fx.store.clone();
+    let inside = std::sync::Arc::new(tokio::sync::Notify::new());
+    let signal = inside.clone();
     let handler = tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
-        let store = store.clone();
+        let signal = signal.clone();
         async move {
             let tx = req.extensions().get::<IdempotentTx>().unwrap().clone();
             sqlx::query("INSERT INTO payments (note) VALUES ('tx')")
                 .execute(&mut *tx.conn().await.unwrap())
                 .await
                 .unwrap();
-            // Meanwhile, a plain-mode request claims the same key on another connection.
-            let key = IdempotencyKey::parse("k").unwrap();
-            let parts = Request::post("/pay").body(()).unwrap().into_parts().0;
-            let claimed = store
-                .claim(ClaimRequest {
-                    scope: "",
-                    key: &key,
-                    fingerprint: tower_idempotency::fingerprint::fingerprint(&parts, &[], b"b"),
-                    lease: Duration::from_secs(30),
-                    ttl: Duration::from_secs(60),
-                })
-                .await
-                .unwrap();
-            assert!(matches!(claimed, ClaimOutcome::Acquired { .. }));
-            Ok::<_, std::io::Error>(Response::new(Full::new(Bytes::from_static(b"paid"))))
+            signal.notify_one();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let mut res = Response::new(Full::new(Bytes::from_static(b"paid")));
+            *res.status_mut() = StatusCode::CREATED;
+            Ok::<_, std::io::Error>(res)
         }
     });
     let svc = IdempotencyLayer::new(fx.store.transactional()).layer(handler);
-    let answer = read(
-        svc.oneshot(req("POST", "/pay", Some("k"), "b"))
-            .await
-            .unwrap(),
-    )
-    .await;
-    answer.assert_problem(409, "request-in-progress");
-    // The payment rolled back; the plain-mode claim is the key's only record.
-    assert_eq!((fx.payments().await, fx.keys().await), (0, 1));
-    let (token,): (Option<i64>,) = sqlx::query_as("SELECT lease_token FROM tower_idempotency_keys")
-        .fetch_one(&fx.admin)
+    let first = tokio::spawn(svc.oneshot(req("POST", "/pay", Some("k"), "b")));
+    inside.notified().await;
+    // Meanwhile, a plain-mode request claims the same key on another connection.
+    let key = IdempotencyKey::parse("k").unwrap();
+    let parts = Request::post("/pay").body(()).unwrap().into_parts().0;
+    let claimed = fx
+        .store
+        .claim(ClaimRequest {
+            scope: "",
+            key: &key,
+            fingerprint: tower_idempotency::fingerprint::fingerprint(&parts, &[], b"b"),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+        })
         .await
         .unwrap();
-    assert!(token.is_some(), "the plain-mode claim is intact");
+    let answer = read(first.await.unwrap().unwrap()).await;
+    assert_eq!(answer.status, 201, "{}", answer.text());
+    match claimed {
+        ClaimOutcome::Completed(stored) => {
+            assert_eq!(stored.status(), StatusCode::CREATED);
+            assert_eq!(stored.body().unwrap().as_ref(), b"paid");
+        }
+        other => panic!("the plain-mode claim should replay, got {other:?}"),
+    }
+    assert_eq!((fx.payments().await, fx.keys().await), (1, 1));
     fx.cleanup().await;
 }
 

@@ -33,6 +33,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "claim function",
         include_str!("../../migrations/0004_claim_function.sql"),
     ),
+    (
+        5,
+        "transactional claim at every isolation level",
+        include_str!("../../migrations/0005_transactional_claim_v2.sql"),
+    ),
 ];
 
 /// The advisory lock taken while migrating, so that app instances starting together apply
@@ -165,6 +170,56 @@ impl PostgresStore {
         }
     }
 
+    /// Runs a statement that acts on a claimed key (complete, release, renew) and returns the
+    /// rows it changed. Under REPEATABLE READ or SERIALIZABLE (the connection's default), such
+    /// a statement fails with a serialization failure when the row changed after its snapshot
+    /// (a renewal still in flight as the answer is stored); it is run again, with a new
+    /// snapshot: the token condition decides anew.
+    async fn execute_token_statement<'q>(
+        &self,
+        statement: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<u64, StoreError> {
+        let mut attempts = 1;
+        loop {
+            match statement().execute(&self.pool).await {
+                Ok(done) => return Ok(done.rows_affected()),
+                Err(e) if is_serialization_failure(&e) && attempts < CLAIM_ATTEMPTS => {
+                    attempts += 1;
+                }
+                Err(e) => return Err(db_error(e)),
+            }
+        }
+    }
+
+    /// One attempt of the claim's first step, as the strategy sends it.
+    async fn look_and_insert(&self, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
+        Ok(match self.strategy {
+            ClaimStrategy::Combined => {
+                let row = self.bind(CLAIM, req).fetch_one(&self.pool).await;
+                let row = row.map_err(db_error)?;
+                match row.try_get::<Option<i64>, _>("inserted")? {
+                    Some(token) => Decision::Done(acquired(token, false)),
+                    None => decide(&row, req)?,
+                }
+            }
+            ClaimStrategy::ReadFirst => match self.read(req).await? {
+                Some(row) => decide(&row, req)?,
+                None => match self.insert(req).await? {
+                    Some(token) => Decision::Done(acquired(token, false)),
+                    None => Decision::Retry,
+                },
+            },
+            ClaimStrategy::InsertFirst => match self.insert(req).await? {
+                Some(token) => Decision::Done(acquired(token, false)),
+                None => match self.read(req).await? {
+                    Some(row) => decide(&row, req)?,
+                    // Deleted between the two statements (released or purged).
+                    None => Decision::Retry,
+                },
+            },
+        })
+    }
+
     fn bind<'q>(
         &self,
         sql: &'static str,
@@ -197,7 +252,12 @@ impl PostgresStore {
 
 /// Applies the crate's migrations (the keys table and the inbox table) on `pool`.
 pub(crate) async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
-    let mut tx = pool.begin().await?;
+    // READ COMMITTED whatever the connection's default: each statement after the lock must
+    // see what an instance that held the lock before committed (under REPEATABLE READ the
+    // snapshot would date from the lock's own statement, before the other's commit).
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
         .bind(MIGRATION_LOCK)
         .execute(&mut *tx)
@@ -248,6 +308,24 @@ pub(crate) async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
 pub(crate) fn millis(d: Duration) -> i64 {
     const MAX: u128 = 100 * 365 * 24 * 3600 * 1000;
     i64::try_from(d.as_millis().min(MAX)).unwrap_or(i64::MAX)
+}
+
+/// Whether `err` is a serialization failure (SQLSTATE 40001) or a deadlock (40P01): the
+/// statement lost a race with a concurrent transaction and may be run again.
+pub(crate) fn is_serialization_failure(err: &sqlx::Error) -> bool {
+    err.as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|code| code == "40001" || code == "40P01")
+}
+
+/// [`is_serialization_failure`] for an error already mapped by [`db_error`].
+fn lost_race(err: &StoreError) -> bool {
+    match err {
+        StoreError::Backend(source) => source
+            .downcast_ref::<sqlx::Error>()
+            .is_some_and(is_serialization_failure),
+        _ => false,
+    }
 }
 
 /// Maps a database error, recognising a missing schema by its SQLSTATE.
@@ -435,38 +513,26 @@ pub(crate) fn decode_response(row: &PgRow) -> Result<StoredResponse, StoreError>
 impl Store for PostgresStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         for _ in 0..CLAIM_ATTEMPTS {
-            let decision = match self.strategy {
-                ClaimStrategy::Combined => {
-                    let row = self.bind(CLAIM, &req).fetch_one(&self.pool).await;
-                    let row = row.map_err(db_error)?;
-                    match row.try_get::<Option<i64>, _>("inserted")? {
-                        Some(token) => return Ok(acquired(token, false)),
-                        None => decide(&row, &req)?,
-                    }
-                }
-                ClaimStrategy::ReadFirst => match self.read(&req).await? {
-                    Some(row) => decide(&row, &req)?,
-                    None => match self.insert(&req).await? {
-                        Some(token) => return Ok(acquired(token, false)),
-                        None => Decision::Retry,
-                    },
-                },
-                ClaimStrategy::InsertFirst => match self.insert(&req).await? {
-                    Some(token) => return Ok(acquired(token, false)),
-                    None => match self.read(&req).await? {
-                        Some(row) => decide(&row, &req)?,
-                        // Deleted between the two statements (released or purged).
-                        None => Decision::Retry,
-                    },
-                },
+            // Under REPEATABLE READ or SERIALIZABLE (the connection's default isolation level),
+            // an insert that meets a record committed after its statement's snapshot fails
+            // with a serialization failure: a concurrent claim won. Like a lost race under
+            // READ COMMITTED, that is claimed again, with a new snapshot that sees the record.
+            let decision = match self.look_and_insert(&req).await {
+                Err(e) if lost_race(&e) => Decision::Retry,
+                other => other?,
             };
             match decision {
                 Decision::Done(outcome) => return Ok(outcome),
                 Decision::Retry => {}
                 Decision::TakeOver { abandoned } => {
                     let row = self.bind(TAKEOVER, &req).fetch_optional(&self.pool).await;
-                    if let Some(row) = row.map_err(db_error)? {
-                        return Ok(acquired(row.try_get("lease_token")?, abandoned));
+                    match row {
+                        Ok(Some(row)) => {
+                            return Ok(acquired(row.try_get("lease_token")?, abandoned));
+                        }
+                        Ok(None) => {}
+                        Err(e) if is_serialization_failure(&e) => {}
+                        Err(e) => return Err(db_error(e)),
                     }
                 }
             }
@@ -486,18 +552,20 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let status = status_column(response)?;
-        let done = sqlx::query(COMPLETE)
-            .bind(scope)
-            .bind(key.as_str())
-            .bind(token.into_raw())
-            .bind(millis(ttl))
-            .bind(status)
-            .bind(response.encode_headers())
-            .bind(response.body().map(|b| &b[..]))
-            .execute(&self.pool)
-            .await
-            .map_err(db_error)?;
-        Ok(done.rows_affected() == 1)
+        let headers = response.encode_headers();
+        let done = self
+            .execute_token_statement(|| {
+                sqlx::query(COMPLETE)
+                    .bind(scope)
+                    .bind(key.as_str())
+                    .bind(token.into_raw())
+                    .bind(millis(ttl))
+                    .bind(status)
+                    .bind(&headers[..])
+                    .bind(response.body().map(|b| &b[..]))
+            })
+            .await?;
+        Ok(done == 1)
     }
 
     async fn release(
@@ -506,14 +574,15 @@ impl Store for PostgresStore {
         key: &IdempotencyKey,
         token: LeaseToken,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(RELEASE)
-            .bind(scope)
-            .bind(key.as_str())
-            .bind(token.into_raw())
-            .execute(&self.pool)
-            .await
-            .map_err(db_error)?;
-        Ok(done.rows_affected() == 1)
+        let done = self
+            .execute_token_statement(|| {
+                sqlx::query(RELEASE)
+                    .bind(scope)
+                    .bind(key.as_str())
+                    .bind(token.into_raw())
+            })
+            .await?;
+        Ok(done == 1)
     }
 
     async fn renew(
@@ -523,15 +592,16 @@ impl Store for PostgresStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(RENEW)
-            .bind(scope)
-            .bind(key.as_str())
-            .bind(token.into_raw())
-            .bind(millis(lease))
-            .execute(&self.pool)
-            .await
-            .map_err(db_error)?;
-        Ok(done.rows_affected() == 1)
+        let done = self
+            .execute_token_statement(|| {
+                sqlx::query(RENEW)
+                    .bind(scope)
+                    .bind(key.as_str())
+                    .bind(token.into_raw())
+                    .bind(millis(lease))
+            })
+            .await?;
+        Ok(done == 1)
     }
 
     async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {

@@ -51,11 +51,15 @@ impl PgSchema {
         PgSchema { name, admin }
     }
 
-    /// A pool whose connections work in this schema.
+    /// A pool whose connections work in this schema, at the default isolation level that
+    /// [`isolation`] names.
     pub async fn pool(&self, max_connections: u32) -> PgPool {
-        let opts = PgConnectOptions::from_str(&database_url())
+        let mut opts = PgConnectOptions::from_str(&database_url())
             .unwrap()
             .options([("search_path", self.name.as_str())]);
+        if let Some(level) = isolation() {
+            opts = opts.options([("default_transaction_isolation", level)]);
+        }
         PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(30))
@@ -79,6 +83,25 @@ impl PgSchema {
         .execute(&self.admin)
         .await;
     }
+}
+
+/// The default isolation level the Postgres tests' connections run at: `TI_ISOLATION`
+/// (`read committed`, `repeatable read` or `serializable`; the test script runs the Postgres
+/// suites once at each), or the server's default when unset.
+pub fn isolation() -> Option<&'static str> {
+    static LEVEL: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let level = std::env::var("TI_ISOLATION").ok()?;
+        match level.trim().to_ascii_lowercase().as_str() {
+            "" => None,
+            "read committed" => Some("read committed"),
+            "repeatable read" => Some("repeatable read"),
+            "serializable" => Some("serializable"),
+            other => panic!(
+                "TI_ISOLATION={other:?}: use 'read committed', 'repeatable read' or 'serializable'"
+            ),
+        }
+    })
 }
 
 /// A name unique across test processes and threads.
