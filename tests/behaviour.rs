@@ -608,20 +608,22 @@ async fn slow_handler_outliving_the_ttl_runs_once_and_is_replayed<F: Fixture>(fx
     // The TTL is shorter than the handler takes (the lease is the default 30 s): the record
     // must not expire while the handler runs, and its answer must be stored.
     let app = build(
-        layer(fx.store()).with_ttl(Duration::from_millis(400)),
+        layer(fx.store()).with_ttl(Duration::from_millis(500)),
         &calls,
     );
-    let first = tokio::spawn(app(req("POST", "/slow?ms=1200", Some("k"), "b")));
+    let first = tokio::spawn(app(req("POST", "/slow?ms=2000", Some("k"), "b")));
     wait_for(|| calls.get("/slow") == 1).await;
+    // Past the TTL (at about 650 and 1300 ms), well before the handler's end.
     for _ in 0..2 {
-        tokio::time::sleep(Duration::from_millis(450)).await;
-        app(req("POST", "/slow?ms=1200", Some("k"), "b"))
+        tokio::time::sleep(Duration::from_millis(650)).await;
+        app(req("POST", "/slow?ms=2000", Some("k"), "b"))
             .await
             .assert_problem(409, "request-in-progress");
     }
     let first = first.await.unwrap();
     assert_eq!(first.status, 201);
-    let retry = app(req("POST", "/slow?ms=1200", Some("k"), "b")).await;
+    // The answer is stored before it is returned; it lives the TTL from then.
+    let retry = app(req("POST", "/slow?ms=2000", Some("k"), "b")).await;
     assert!(retry.replayed(), "{} {}", retry.status, retry.text());
     assert_eq!(retry.body, first.body);
     assert_eq!(calls.get("/slow"), 1, "handler ran once");
@@ -648,14 +650,14 @@ async fn ttl_shorter_than_the_lease_keeps_a_running_key<F: Fixture>(fx: &F) {
             .unwrap(),
         ClaimOutcome::Mismatch
     );
-    // A renewal keeps it past the claim's lease.
+    // A renewal keeps it past the claim's lease (and 300 ms short of the renewed one).
     assert!(
         store
             .renew("", &key, token, Duration::from_millis(900))
             .await
             .unwrap()
     );
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
     assert!(matches!(
         store.claim(claim).await.unwrap(),
         ClaimOutcome::InFlight { .. }
@@ -671,23 +673,25 @@ async fn ttl_shorter_than_the_lease_keeps_a_running_key<F: Fixture>(fx: &F) {
 
 async fn renewals_keep_a_key_whose_ttl_is_shorter_than_the_lease<F: Fixture>(fx: &F) {
     let calls = Calls::default();
+    // Renewed every 200 ms: the lease outlives a renewal that is late by 400 ms.
     let app = build(
         layer(fx.store())
-            .with_lease(Duration::from_millis(300))
+            .with_lease(Duration::from_millis(600))
             .with_ttl(Duration::from_millis(100)),
         &calls,
     );
-    let first = tokio::spawn(app(req("POST", "/slow?ms=1500", Some("k"), "b")));
+    let first = tokio::spawn(app(req("POST", "/slow?ms=2400", Some("k"), "b")));
     wait_for(|| calls.get("/slow") == 1).await;
+    // Past the TTL and the first lease, well before the handler's end.
     for _ in 0..4 {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        app(req("POST", "/slow?ms=1500", Some("k"), "b"))
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        app(req("POST", "/slow?ms=2400", Some("k"), "b"))
             .await
             .assert_problem(409, "request-in-progress");
     }
     assert_eq!(first.await.unwrap().status, 201);
     assert!(
-        app(req("POST", "/slow?ms=1500", Some("k"), "b"))
+        app(req("POST", "/slow?ms=2400", Some("k"), "b"))
             .await
             .replayed()
     );
@@ -702,7 +706,7 @@ async fn completed_record_lives_the_ttl_from_its_completion<F: Fixture>(fx: &F) 
     let ClaimOutcome::Acquired { token, .. } = store.claim(claim).await.unwrap() else {
         panic!()
     };
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let answer = StoredResponse::new(StatusCode::OK, http::HeaderMap::new(), Bytes::from("done"));
     assert!(
         store
@@ -710,14 +714,14 @@ async fn completed_record_lives_the_ttl_from_its_completion<F: Fixture>(fx: &F) 
             .await
             .unwrap()
     );
-    // 800 ms after the claim, 400 ms after the completion: still there.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // 800 ms after the claim (past its TTL), 300 ms after the completion: still there.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         store.claim(claim).await.unwrap(),
         ClaimOutcome::Completed(answer)
     );
     // 800 ms after the completion: gone (and not kept for the claim's 5 s lease either).
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(matches!(
         store
             .claim(claim_of(&key, b"other", claim.lease))
