@@ -187,11 +187,19 @@ impl<St> IdempotencyLayer<St> {
     /// While the handler runs, the layer renews the lease every third of it, so a slow handler
     /// is never taken over while its process is alive; the lease only runs out when the
     /// process dies or loses the store. Choose it longer than a renewal can take.
+    ///
+    /// A key in progress is kept for as long as its lease holds, even when that is longer
+    /// than the [TTL](Self::with_ttl).
     pub fn with_lease(self, lease: Duration) -> Self {
         self.with(|c| c.lease = lease.max(Duration::from_millis(10)))
     }
 
     /// How long a key is remembered (default 24 h). After it, the key counts as new.
+    ///
+    /// A completed key is remembered for the TTL from its completion. A key in progress is
+    /// never forgotten while its lease holds, whatever the TTL: a handler that runs longer
+    /// than the TTL (or a TTL shorter than the [lease](Self::with_lease)) still runs once,
+    /// and its answer is then replayed for the TTL.
     pub fn with_ttl(self, ttl: Duration) -> Self {
         self.with(|c| c.ttl = ttl)
     }

@@ -51,7 +51,7 @@
 //!
 //! | state of (scope, key) | answer |
 //! |---|---|
-//! | absent, or expired (older than the TTL) | the key is claimed *in progress* under a lease; the handler runs |
+//! | absent, or expired (completed longer ago than the TTL; in progress, it never expires while its lease runs) | the key is claimed *in progress* under a lease; the handler runs |
 //! | in progress, lease running | `409 Conflict` with `Retry-After`; handler not run |
 //! | in progress, lease ran out (its process died) | taken over with a new fencing token; the handler runs |
 //! | completed | the stored status, headers and body replayed with `Idempotent-Replayed: true`; handler not run |

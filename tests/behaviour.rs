@@ -603,6 +603,159 @@ async fn lease_renewal_keeps_a_slow_handler_from_being_taken_over<F: Fixture>(fx
     assert_eq!(calls.get("/slow"), 1);
 }
 
+async fn slow_handler_outliving_the_ttl_runs_once_and_is_replayed<F: Fixture>(fx: &F) {
+    let calls = Calls::default();
+    // The TTL is shorter than the handler takes (the lease is the default 30 s): the record
+    // must not expire while the handler runs, and its answer must be stored.
+    let app = build(
+        layer(fx.store()).with_ttl(Duration::from_millis(500)),
+        &calls,
+    );
+    let first = tokio::spawn(app(req("POST", "/slow?ms=2000", Some("k"), "b")));
+    wait_for(|| calls.get("/slow") == 1).await;
+    // Past the TTL (at about 650 and 1300 ms), well before the handler's end.
+    for _ in 0..2 {
+        tokio::time::sleep(Duration::from_millis(650)).await;
+        app(req("POST", "/slow?ms=2000", Some("k"), "b"))
+            .await
+            .assert_problem(409, "request-in-progress");
+    }
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    // The answer is stored before it is returned; it lives the TTL from then.
+    let retry = app(req("POST", "/slow?ms=2000", Some("k"), "b")).await;
+    assert!(retry.replayed(), "{} {}", retry.status, retry.text());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(calls.get("/slow"), 1, "handler ran once");
+}
+
+async fn ttl_shorter_than_the_lease_keeps_a_running_key<F: Fixture>(fx: &F) {
+    let store = fx.store();
+    let key = IdempotencyKey::parse("k").unwrap();
+    let mut claim = claim_of(&key, b"b", Duration::from_millis(900));
+    claim.ttl = Duration::from_millis(100);
+    let ClaimOutcome::Acquired { token, .. } = store.claim(claim).await.unwrap() else {
+        panic!()
+    };
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Past the TTL, within the lease: the key is still held, for any payload.
+    assert!(matches!(
+        store.claim(claim).await.unwrap(),
+        ClaimOutcome::InFlight { .. }
+    ));
+    assert_eq!(
+        store
+            .claim(claim_of(&key, b"other", claim.lease))
+            .await
+            .unwrap(),
+        ClaimOutcome::Mismatch
+    );
+    // A renewal keeps it past the claim's lease (and 300 ms short of the renewed one).
+    assert!(
+        store
+            .renew("", &key, token, Duration::from_millis(900))
+            .await
+            .unwrap()
+    );
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(matches!(
+        store.claim(claim).await.unwrap(),
+        ClaimOutcome::InFlight { .. }
+    ));
+    let answer = StoredResponse::new(StatusCode::OK, http::HeaderMap::new(), Bytes::from("done"));
+    let ttl = Duration::from_secs(60);
+    assert!(store.complete("", &key, token, &answer, ttl).await.unwrap());
+    assert_eq!(
+        store.claim(claim).await.unwrap(),
+        ClaimOutcome::Completed(answer)
+    );
+}
+
+async fn renewals_keep_a_key_whose_ttl_is_shorter_than_the_lease<F: Fixture>(fx: &F) {
+    let calls = Calls::default();
+    // Renewed every 200 ms: the lease outlives a renewal that is late by 400 ms.
+    let app = build(
+        layer(fx.store())
+            .with_lease(Duration::from_millis(600))
+            .with_ttl(Duration::from_millis(100)),
+        &calls,
+    );
+    let first = tokio::spawn(app(req("POST", "/slow?ms=2400", Some("k"), "b")));
+    wait_for(|| calls.get("/slow") == 1).await;
+    // Past the TTL and the first lease, well before the handler's end.
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        app(req("POST", "/slow?ms=2400", Some("k"), "b"))
+            .await
+            .assert_problem(409, "request-in-progress");
+    }
+    assert_eq!(first.await.unwrap().status, 201);
+    assert!(
+        app(req("POST", "/slow?ms=2400", Some("k"), "b"))
+            .await
+            .replayed()
+    );
+    assert_eq!(calls.get("/slow"), 1);
+}
+
+async fn completed_record_lives_the_ttl_from_its_completion<F: Fixture>(fx: &F) {
+    let store = fx.store();
+    let key = IdempotencyKey::parse("k").unwrap();
+    let mut claim = claim_of(&key, b"b", Duration::from_secs(5));
+    claim.ttl = Duration::from_millis(600);
+    let ClaimOutcome::Acquired { token, .. } = store.claim(claim).await.unwrap() else {
+        panic!()
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let answer = StoredResponse::new(StatusCode::OK, http::HeaderMap::new(), Bytes::from("done"));
+    assert!(
+        store
+            .complete("", &key, token, &answer, claim.ttl)
+            .await
+            .unwrap()
+    );
+    // 800 ms after the claim (past its TTL), 300 ms after the completion: still there.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        store.claim(claim).await.unwrap(),
+        ClaimOutcome::Completed(answer)
+    );
+    // 800 ms after the completion: gone (and not kept for the claim's 5 s lease either).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(matches!(
+        store
+            .claim(claim_of(&key, b"other", claim.lease))
+            .await
+            .unwrap(),
+        ClaimOutcome::Acquired {
+            takeover: false,
+            ..
+        }
+    ));
+}
+
+async fn owner_completes_a_lapsed_claim_that_nobody_took_over<F: Fixture>(fx: &F) {
+    let store = fx.store();
+    let key = IdempotencyKey::parse("k").unwrap();
+    let mut claim = claim_of(&key, b"b", Duration::from_millis(200));
+    claim.ttl = Duration::from_millis(100);
+    let ClaimOutcome::Acquired { token, .. } = store.claim(claim).await.unwrap() else {
+        panic!()
+    };
+    // The owner stalls past its lease and the record's expiry; nobody claims the key
+    // meanwhile, so its token still holds the record: it can renew and complete.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(store.renew("", &key, token, claim.lease).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let answer = StoredResponse::new(StatusCode::OK, http::HeaderMap::new(), Bytes::from("late"));
+    let ttl = Duration::from_secs(60);
+    assert!(store.complete("", &key, token, &answer, ttl).await.unwrap());
+    assert_eq!(
+        store.claim(claim).await.unwrap(),
+        ClaimOutcome::Completed(answer)
+    );
+}
+
 async fn fifty_concurrent_requests_run_the_handler_once<F: Fixture>(fx: &F) {
     let calls = Calls::default();
     let one = build(layer(fx.store()), &calls);
@@ -738,7 +891,8 @@ async fn purge_deletes_expired_records_in_batches<F: Fixture>(fx: &F) {
     let short = Duration::from_millis(200);
     for i in 0..7 {
         let key = IdempotencyKey::parse(&format!("old{i}")).unwrap();
-        let mut c = claim_of(&key, b"", Duration::from_secs(5));
+        // An in-progress record lives as long as its lease at least: both are short here.
+        let mut c = claim_of(&key, b"", Duration::from_millis(100));
         c.ttl = short;
         assert!(matches!(
             store.claim(c).await.unwrap(),
@@ -846,6 +1000,11 @@ suite!(
     lease_runs_out_after_a_crash_and_the_key_is_taken_over,
     stale_owner_cannot_complete_after_takeover,
     lease_renewal_keeps_a_slow_handler_from_being_taken_over,
+    slow_handler_outliving_the_ttl_runs_once_and_is_replayed,
+    ttl_shorter_than_the_lease_keeps_a_running_key,
+    renewals_keep_a_key_whose_ttl_is_shorter_than_the_lease,
+    completed_record_lives_the_ttl_from_its_completion,
+    owner_completes_a_lapsed_claim_that_nobody_took_over,
     fifty_concurrent_requests_run_the_handler_once,
     oversized_response_reaches_the_client_and_is_never_rerun,
     handler_sees_the_key,

@@ -195,10 +195,14 @@ impl MemoryStore {
         (hash, lock(&self.inner.shards[i]))
     }
 
-    fn with_entry<T>(
+    /// Calls `f` with the record of (scope, key) while `token` holds it, expired or not: a
+    /// token holds its in-progress record until another claim replaces it, or it is
+    /// released or purged (as in the Postgres store, whose statements match the token alone).
+    fn with_held<T>(
         &self,
         scope: &str,
         key: &IdempotencyKey,
+        token: LeaseToken,
         f: impl FnOnce(Option<&mut Entry>, Instant) -> T,
     ) -> T {
         let (hash, mut shard) = self.shard(scope, key);
@@ -207,9 +211,24 @@ impl MemoryStore {
             .get_mut(&hash)
             .and_then(|slot| slot.find_mut(scope, key))
             .map(|r| &mut r.entry)
-            .filter(|e| e.expires_at > now);
+            .filter(|e| matches!(e.state, State::InProgress { token: t, .. } if t == token));
         f(entry, now)
     }
+}
+
+/// The longest span a record or a lease is given: 100 years, as the Postgres store clamps
+/// its intervals, so both stores agree on huge durations.
+const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `now + d`, saturating: `d` is capped at [`MAX_SPAN`], so `Duration::MAX` means "never".
+fn after(now: Instant, d: Duration) -> Instant {
+    let d = d.min(MAX_SPAN);
+    // `Instant` counts from an arbitrary origin (the boot, on most platforms): 100 years past
+    // now fits in its 64-bit seconds or nanoseconds. Should a platform's not, a day is the
+    // fallback rather than a panic.
+    now.checked_add(d)
+        .or_else(|| now.checked_add(d.min(Duration::from_secs(24 * 3600))))
+        .unwrap_or(now)
 }
 
 /// The hash of a (scope, key): the scope's length, the scope and the key, in one write when
@@ -246,10 +265,11 @@ impl Store for MemoryStore {
             let token = next_token();
             let entry = Entry {
                 fingerprint: req.fingerprint,
-                expires_at: now + req.ttl,
+                // An in-progress record lives at least as long as its lease.
+                expires_at: after(now, req.ttl.max(req.lease)),
                 state: State::InProgress {
                     token,
-                    lease_until: now + req.lease,
+                    lease_until: after(now, req.lease),
                 },
             };
             (entry, ClaimOutcome::Acquired { token, takeover })
@@ -306,13 +326,13 @@ impl Store for MemoryStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.with_entry(scope, key, |entry, now| match entry {
-            Some(e) if matches!(e.state, State::InProgress { token: t, .. } if t == token) => {
+        Ok(self.with_held(scope, key, token, |entry, now| match entry {
+            Some(e) => {
                 e.state = State::Completed(response.clone());
-                e.expires_at = now + ttl;
+                e.expires_at = after(now, ttl);
                 true
             }
-            _ => false,
+            None => false,
         }))
     }
 
@@ -346,16 +366,15 @@ impl Store for MemoryStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.with_entry(scope, key, |entry, now| match entry {
+        Ok(self.with_held(scope, key, token, |entry, now| match entry {
             Some(Entry {
-                state:
-                    State::InProgress {
-                        token: t,
-                        lease_until,
-                    },
+                state: State::InProgress { lease_until, .. },
+                expires_at,
                 ..
-            }) if *t == token => {
-                *lease_until = now + lease;
+            }) => {
+                *lease_until = after(now, lease);
+                // The record lives at least as long as the lease it now holds.
+                *expires_at = (*expires_at).max(*lease_until);
                 true
             }
             _ => false,
@@ -461,6 +480,37 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn huge_durations_saturate_instead_of_panicking() {
+        let store = MemoryStore::new();
+        let key = IdempotencyKey::parse("k").unwrap();
+        let forever = ClaimRequest {
+            lease: Duration::MAX,
+            ttl: Duration::MAX,
+            ..claim("", &key)
+        };
+        let t = token(store.claim(forever).await.unwrap());
+        tokio::time::advance(Duration::from_secs(10 * 365 * 24 * 3600)).await;
+        assert!(matches!(
+            store.claim(forever).await.unwrap(),
+            ClaimOutcome::InFlight { .. }
+        ));
+        assert!(store.renew("", &key, t, Duration::MAX).await.unwrap());
+        let answer = StoredResponse::new(StatusCode::OK, HeaderMap::new(), Bytes::new());
+        assert!(
+            store
+                .complete("", &key, t, &answer, Duration::MAX)
+                .await
+                .unwrap()
+        );
+        tokio::time::advance(Duration::from_secs(10 * 365 * 24 * 3600)).await;
+        assert_eq!(
+            store.claim(forever).await.unwrap(),
+            ClaimOutcome::Completed(answer)
+        );
+        assert_eq!(store.purge_expired(10).await.unwrap(), 0);
     }
 
     #[tokio::test(start_paused = true)]

@@ -3,8 +3,14 @@
 //!
 //! A store keeps one record per (scope, key). A record is either **in progress** (a request
 //! holds it under a lease and a fencing token) or **completed** (it holds the response to
-//! replay). Every record expires after the TTL given when it was written; an expired record
-//! counts as absent.
+//! replay). An expired record counts as absent. When a record expires:
+//!
+//! - in progress: never while its lease holds. A claim makes it live for
+//!   `max(ttl, lease)`, and each [`renew`](Store::renew) extends its life to at least the
+//!   new lease's end, so a TTL shorter than the lease (or than the handler takes) cannot
+//!   let a running key be claimed again;
+//! - completed: the TTL given to [`complete`](Store::complete), counted from the
+//!   completion (not from the claim).
 //!
 //! The contract every store keeps:
 //!
@@ -14,7 +20,10 @@
 //!   fingerprint; it gets a new token, and the old token stops working.
 //! - [`complete`](Store::complete), [`release`](Store::release) and [`renew`](Store::renew)
 //!   act only while the token still holds the record, so a stale owner can never overwrite the
-//!   work of the request that took over.
+//!   work of the request that took over. A token holds its in-progress record until a claim
+//!   replaces it (a takeover, or a new claim of the expired record) or it is released or
+//!   purged: an owner whose lease ran out while nobody claimed the key can still renew or
+//!   complete it.
 //! - A fingerprint mismatch is reported before anything else, for a record in any state.
 //!
 //! The shared behaviour suite in `tests/` runs against every store of this crate; a store of
@@ -66,7 +75,9 @@ pub struct ClaimRequest<'a> {
     pub fingerprint: Fingerprint,
     /// How long the claim holds the key before another request may take it over.
     pub lease: Duration,
-    /// How long the record lives (also while in progress).
+    /// How long the record lives. While in progress it lives at least as long as its lease:
+    /// the claim makes it live `max(ttl, lease)`, and [`Store::renew`] extends that to the
+    /// new lease's end. Once completed, it lives the TTL given to [`Store::complete`].
     pub ttl: Duration,
 }
 
@@ -103,7 +114,8 @@ pub trait Store: Clone + Send + Sync + 'static {
         request: ClaimRequest<'_>,
     ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send;
 
-    /// Stores the response of a claimed key and marks it completed for `ttl` from now.
+    /// Stores the response of a claimed key and marks it completed for `ttl` from now
+    /// (whatever was left of the in-progress record's life).
     ///
     /// Returns `false` (and changes nothing) when `token` no longer holds the key.
     fn complete(
@@ -125,7 +137,8 @@ pub trait Store: Clone + Send + Sync + 'static {
         token: LeaseToken,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Extends the lease of a claimed key to `lease` from now.
+    /// Extends the lease of a claimed key to `lease` from now, and the record's life to at
+    /// least the lease's end.
     ///
     /// Returns `false` when `token` no longer holds the key.
     fn renew(

@@ -230,7 +230,8 @@ impl PostgresStore {
             .bind(req.key.as_str())
             .bind(&req.fingerprint.as_bytes()[..])
             .bind(millis(req.lease))
-            .bind(millis(req.ttl))
+            // An in-progress record lives at least as long as its lease.
+            .bind(millis(req.ttl.max(req.lease)))
     }
 
     /// The pool this store uses.
