@@ -71,7 +71,7 @@
 //! | request | answer |
 //! |---|---|
 //! | covered method, no key (key required, the default) | `400`; with [`with_key_required(false)`](IdempotencyLayer::with_key_required) passed through unprotected |
-//! | key empty, over 255 characters, not visible ASCII, or badly quoted | `400` |
+//! | key empty, over 255 characters, not visible ASCII (a quoted key may also hold spaces), or badly quoted | `400` |
 //! | key as a quoted string (`"abc"`) or bare (`abc`) | accepted; the same key |
 //! | the key header more than once | `400` |
 //! | body over the limit (default 1 MiB) | `413`; nothing stored |
@@ -229,8 +229,8 @@ pub mod problems {
     //! `400`: a covered request has no `Idempotency-Key`.
     //!
     //! ## invalid-key
-    //! `400`: the key is empty, longer than 255 characters, not visible ASCII, or not a
-    //! well-formed quoted string.
+    //! `400`: the key is empty, longer than 255 characters, not visible ASCII (a quoted key
+    //! may also hold spaces), or not a well-formed quoted string.
     //!
     //! ## multiple-keys
     //! `400`: the key header was sent more than once.
