@@ -226,7 +226,8 @@ pub mod problems {
     //! Every body is `application/problem+json` with `type`, `title`, `status` and `detail`.
     //!
     //! ## missing-key
-    //! `400`: a covered request has no `Idempotency-Key`.
+    //! `400`: a covered request has no key: no `Idempotency-Key`, or no value in the header
+    //! the layer was configured to read. The `detail` names that header.
     //!
     //! ## invalid-key
     //! `400`: the key is empty, longer than 255 characters, not visible ASCII (a quoted key

@@ -144,17 +144,25 @@ fn read_key<B>(
             let mut values = req.headers().get_all(name).iter();
             match (values.next(), values.next()) {
                 (None, _) => Ok(None),
-                (Some(_), Some(_)) => Err(Rejection::MultipleKeys),
+                (Some(_), Some(_)) => Err(Rejection::MultipleKeys {
+                    header: name.clone(),
+                }),
                 (Some(v), None) => IdempotencyKey::from_header(v)
                     .map(Some)
-                    .map_err(Rejection::InvalidKey),
+                    .map_err(|error| Rejection::InvalidKey {
+                        error,
+                        header: Some(name.clone()),
+                    }),
             }
         }
         KeySource::Fn(f) => {
             let (parts, body) = req.into_parts();
             let key = f(&parts);
             let found = key
-                .map(|k| IdempotencyKey::parse(&k).map_err(Rejection::InvalidKey))
+                .map(|k| {
+                    IdempotencyKey::parse(&k)
+                        .map_err(|error| Rejection::InvalidKey { error, header: None })
+                })
                 .transpose();
             return (Request::from_parts(parts, body), missing(found, config));
         }
@@ -167,7 +175,12 @@ fn missing(
     config: &Config,
 ) -> Result<Option<IdempotencyKey>, Rejection> {
     match found {
-        Ok(None) if config.key_required => Err(Rejection::MissingKey),
+        Ok(None) if config.key_required => Err(Rejection::MissingKey {
+            header: match &config.key_source {
+                KeySource::Header(name) => Some(name.clone()),
+                KeySource::Fn(_) => None,
+            },
+        }),
         other => other,
     }
 }
