@@ -278,7 +278,7 @@ pub(crate) fn log_store_error(err: &StoreError, what: &'static str) {
     );
 }
 
-/// A request body read in full: its chunks (not copied), trailers and fingerprint input.
+/// A request body read in full: its chunks (small ones coalesced) and trailers.
 pub(crate) struct Buffered {
     pub(crate) chunks: Chunks,
     pub(crate) trailers: Option<Box<HeaderMap>>,
