@@ -200,7 +200,8 @@ pin_project! {
     ///
     /// Either the handler's own body (passthrough, or an answer too large to store whose
     /// buffered head is sent first), or a complete body (a replay, a rejection, or a handler
-    /// answer that was buffered to be stored).
+    /// answer that was buffered to be stored, followed by the handler's trailers if it sent
+    /// any: they are not stored, so a replay has none).
     pub struct ResponseBody<B: Body> {
         #[pin]
         kind: ResponseKind<B>,
@@ -211,7 +212,8 @@ pin_project! {
     #[project = ResponseKindProj]
     enum ResponseKind<B: Body> {
         Inner { #[pin] body: B },
-        Full { data: Option<Bytes> },
+        // Trailers are rare: boxed, they keep the body small.
+        Full { data: Option<Bytes>, trailers: Option<Box<HeaderMap>> },
         Prefixed { head: Chunks, rest: Pin<Box<B>> },
         Failed { head: Chunks, error: Option<B::Error> },
     }
@@ -225,9 +227,15 @@ impl<B: Body> ResponseBody<B> {
     }
 
     pub(crate) fn full(data: Bytes) -> Self {
+        Self::full_with_trailers(data, None)
+    }
+
+    /// A complete body, then its trailers.
+    pub(crate) fn full_with_trailers(data: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
         Self {
             kind: ResponseKind::Full {
                 data: (!data.is_empty()).then_some(data),
+                trailers,
             },
         }
     }
@@ -264,7 +272,10 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
             ResponseKindProj::Inner { body } => body.poll_frame(cx),
-            ResponseKindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            ResponseKindProj::Full { data, trailers } => Poll::Ready(match data.take() {
+                Some(d) => Some(Ok(Frame::data(d))),
+                None => trailers.take().map(|t| Ok(Frame::trailers(*t))),
+            }),
             ResponseKindProj::Prefixed { head, rest } => match head.pop_front() {
                 Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
                 None => rest.as_mut().poll_frame(cx),
@@ -279,7 +290,7 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             ResponseKind::Inner { body } => body.is_end_stream(),
-            ResponseKind::Full { data } => data.is_none(),
+            ResponseKind::Full { data, trailers } => data.is_none() && trailers.is_none(),
             ResponseKind::Prefixed { head, rest } => head.is_empty() && rest.is_end_stream(),
             ResponseKind::Failed { head, error } => head.is_empty() && error.is_none(),
         }
@@ -288,7 +299,7 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             ResponseKind::Inner { body } => body.size_hint(),
-            ResponseKind::Full { data } => {
+            ResponseKind::Full { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             ResponseKind::Prefixed { head, rest } => {

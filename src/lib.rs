@@ -101,7 +101,8 @@
 //! Replays carry the stored headers except hop-by-hop headers, `Date` (a replay is a new
 //! message), `Content-Length` (recomputed) and, by default, `Set-Cookie`: a cookie is usually
 //! a credential, and replaying it hands it to whoever retries with the key. Response trailers
-//! are not stored.
+//! (gRPC's `grpc-status`, for one) reach the client of the first request but are not stored:
+//! a replay has none.
 //!
 //! # Stores
 //!

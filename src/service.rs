@@ -355,6 +355,7 @@ pub(crate) fn to_store<B: Body>(config: &Config, response: Response<B>) -> ToSto
         parts,
         body: Box::pin(body),
         chunks: Chunks::default(),
+        trailers: None,
         len: 0,
         limit: config.max_response_body,
         keep_set_cookie: config.keep_set_cookie,
@@ -366,11 +367,12 @@ pub(crate) struct ToStore<B: Body>(Option<Answer<B>>);
 
 enum Answer<B: Body> {
     Unstored(Response<B>),
-    /// Reads the body up to `limit` bytes. Trailers are not kept.
+    /// Reads the body up to `limit` bytes. Trailers are passed on to the client, not stored.
     Reading {
         parts: http::response::Parts,
         body: Pin<Box<B>>,
         chunks: Chunks,
+        trailers: Option<Box<HeaderMap>>,
         len: usize,
         limit: usize,
         keep_set_cookie: bool,
@@ -398,6 +400,7 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
             Some(Answer::Reading {
                 body,
                 chunks,
+                trailers,
                 len,
                 limit,
                 ..
@@ -405,17 +408,23 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
                 match ready!(body.as_mut().poll_frame(cx)) {
                     None => break Read::Complete,
                     Some(Err(e)) => break Read::Failed(e),
-                    Some(Ok(frame)) => {
-                        if let Ok(data) = frame.into_data()
-                            && !data.is_empty()
-                        {
+                    Some(Ok(frame)) => match frame.into_data() {
+                        Ok(data) => {
+                            if data.is_empty() {
+                                continue;
+                            }
                             *len = len.saturating_add(data.len());
                             chunks.push(data);
                             if *len > *limit {
                                 break Read::TooLarge;
                             }
                         }
-                    }
+                        Err(frame) => {
+                            if let Ok(t) = frame.into_trailers() {
+                                trailers.get_or_insert_with(Box::default).extend(t);
+                            }
+                        }
+                    },
                 }
             },
         };
@@ -428,6 +437,7 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
                 parts,
                 body,
                 chunks,
+                trailers,
                 keep_set_cookie,
                 ..
             } => {
@@ -442,7 +452,7 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
                     Read::Complete => {
                         let bytes = chunks.into_bytes();
                         let stored = stored(Some(bytes.clone()));
-                        (ResponseBody::full(bytes), Some(stored))
+                        (ResponseBody::full_with_trailers(bytes, trailers), Some(stored))
                     }
                     Read::TooLarge => {
                         let stored = stored(None);
