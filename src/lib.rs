@@ -52,7 +52,7 @@
 //! | state of (scope, key) | answer |
 //! |---|---|
 //! | absent, or expired (older than the TTL) | the key is claimed *in progress* under a lease; the handler runs |
-//! | in progress, lease running | `409 Conflict` with `Retry-After`; handler not run |
+//! | in progress, lease running | `409 Conflict` with `Retry-After: 1`; handler not run |
 //! | in progress, lease ran out (its process died) | taken over with a new fencing token; the handler runs |
 //! | completed | the stored status, headers and body replayed with `Idempotent-Replayed: true`; handler not run |
 //! | any, with another fingerprint | `422 Unprocessable Content`; handler not run; record unchanged |
@@ -244,7 +244,10 @@ pub mod problems {
     //! `413`: the body is larger than the layer's limit.
     //!
     //! ## request-in-progress
-    //! `409` with `Retry-After`: the first request with this key has not finished.
+    //! `409` with `Retry-After: 1`: the first request with this key has not finished. The hint
+    //! is the smallest `Retry-After` there is: the layer cannot know when the first request will
+    //! answer (what is left of its lease, renewed while the handler runs, is no estimate of it),
+    //! and most handlers answer within a second. A client may wait longer between retries.
     //!
     //! ## key-reused
     //! `422`: the key was used with a different method, path, query or body.

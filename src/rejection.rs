@@ -51,7 +51,10 @@ pub enum Rejection {
     },
     /// `409`: a request with this key is still being processed.
     InFlight {
-        /// When the client should try again (sent as `Retry-After`, in whole seconds).
+        /// When the client should try again (sent as `Retry-After`, in whole seconds rounded
+        /// up, at least 1). The layer says at most 1 s: it cannot know when the first request
+        /// will answer, and what is left of its lease (renewed while the handler runs) is no
+        /// estimate of it.
         retry_after: Duration,
     },
     /// `422`: the key was used before with a different request.

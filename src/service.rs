@@ -241,6 +241,12 @@ pub(crate) enum Taken {
     Mismatch,
 }
 
+/// The longest `Retry-After` hint of a `409` while the first request runs: 1 s, the smallest
+/// whole second. A store knows when the first request's lease runs out, not when its handler
+/// will answer; the lease is renewed while the handler runs, so what is left of it (up to all
+/// of it, 30 s by default) says nothing about when the answer will be there to replay.
+const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
 /// The layer's answer to a request whose key is taken (recorded as its outcome).
 pub(crate) fn answer_taken<B: Body>(config: &Config, taken: Taken) -> Response<ResponseBody<B>> {
     match taken {
@@ -250,6 +256,7 @@ pub(crate) fn answer_taken<B: Body>(config: &Config, taken: Taken) -> Response<R
         }
         Taken::InFlight(retry_after) => {
             record(Outcome::InFlight);
+            let retry_after = retry_after.min(IN_FLIGHT_RETRY_AFTER);
             render(config, &Rejection::InFlight { retry_after })
         }
         Taken::Mismatch => {
