@@ -42,7 +42,8 @@ impl Rest {
     /// Moves the buffer of small chunks to the end of `chunks`.
     fn close_small(&mut self) {
         if !self.small.is_empty() {
-            self.chunks.push_back(std::mem::take(&mut self.small).freeze());
+            self.chunks
+                .push_back(std::mem::take(&mut self.small).freeze());
         }
     }
 
@@ -350,7 +351,10 @@ mod tests {
         let first = Bytes::from_static(b"first");
         push(&mut chunks, first.clone());
         for i in 0..(3 * COALESCED) {
-            push(&mut chunks, Bytes::from(vec![u8::try_from(i % 251).unwrap()]));
+            push(
+                &mut chunks,
+                Bytes::from(vec![u8::try_from(i % 251).unwrap()]),
+            );
         }
         let large = Bytes::from(vec![7u8; SMALL_CHUNK]);
         push(&mut chunks, large.clone());
@@ -365,7 +369,12 @@ mod tests {
         assert_eq!(popped[0].as_ptr(), first.as_ptr());
         assert!(popped.iter().any(|c| c.as_ptr() == large.as_ptr()));
         // first, three full buffers of one-byte chunks, the large chunk, "last".
-        assert_eq!(popped.len(), 6, "{:?}", popped.iter().map(Bytes::len).collect::<Vec<_>>());
+        assert_eq!(
+            popped.len(),
+            6,
+            "{:?}",
+            popped.iter().map(Bytes::len).collect::<Vec<_>>()
+        );
         assert_eq!(popped.concat(), expected);
         assert!(chunks.is_empty());
     }

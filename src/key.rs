@@ -166,8 +166,7 @@ impl IdempotencyKey {
         {
             return Err(KeyError::InvalidPurpose);
         }
-        let derived = if self.0.len() + 1 + p.len() <= MAX_KEY_LEN && !self.0.starts_with(HASHED)
-        {
+        let derived = if self.0.len() + 1 + p.len() <= MAX_KEY_LEN && !self.0.starts_with(HASHED) {
             format!("{}:{purpose}", self.0)
         } else {
             let digest = Sha256::digest(self.0.as_bytes());

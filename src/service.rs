@@ -147,12 +147,12 @@ fn read_key<B>(
                 (Some(_), Some(_)) => Err(Rejection::MultipleKeys {
                     header: name.clone(),
                 }),
-                (Some(v), None) => IdempotencyKey::from_header(v)
-                    .map(Some)
-                    .map_err(|error| Rejection::InvalidKey {
+                (Some(v), None) => IdempotencyKey::from_header(v).map(Some).map_err(|error| {
+                    Rejection::InvalidKey {
                         error,
                         header: Some(name.clone()),
-                    }),
+                    }
+                }),
             }
         }
         KeySource::Fn(f) => {
@@ -160,8 +160,10 @@ fn read_key<B>(
             let key = f(&parts);
             let found = key
                 .map(|k| {
-                    IdempotencyKey::parse(&k)
-                        .map_err(|error| Rejection::InvalidKey { error, header: None })
+                    IdempotencyKey::parse(&k).map_err(|error| Rejection::InvalidKey {
+                        error,
+                        header: None,
+                    })
                 })
                 .transpose();
             return (Request::from_parts(parts, body), missing(found, config));
@@ -459,7 +461,10 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
                     Read::Complete => {
                         let bytes = chunks.into_bytes();
                         let stored = stored(Some(bytes.clone()));
-                        (ResponseBody::full_with_trailers(bytes, trailers), Some(stored))
+                        (
+                            ResponseBody::full_with_trailers(bytes, trailers),
+                            Some(stored),
+                        )
                     }
                     Read::TooLarge => {
                         let stored = stored(None);

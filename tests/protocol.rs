@@ -108,8 +108,8 @@ async fn a_missing_key_names_the_default_header() {
 
 #[tokio::test]
 async fn a_webhook_layer_names_its_header_when_the_key_is_missing_bad_or_repeated() {
-    let layer =
-        IdempotencyLayer::new(MemoryStore::new()).with_header(HeaderName::from_static("webhook-id"));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_header(HeaderName::from_static("webhook-id"));
     let cases = [
         (vec![], "missing-key"),
         (vec![("webhook-id", "a b")], "invalid-key"),
