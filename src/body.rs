@@ -4,52 +4,101 @@ use std::collections::VecDeque;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-/// Buffered body chunks, in order. The first chunk is kept inline: most bodies arrive in
-/// one frame, and then buffering them allocates nothing.
+/// Chunks after the first one that are shorter than this are copied into a shared buffer
+/// instead of being kept as handles of their own.
+const SMALL_CHUNK: usize = 4 * 1024;
+
+/// A buffer of copied small chunks is closed (and a new one begun) at this size.
+const COALESCED: usize = 64 * 1024;
+
+/// Buffered body chunks, in order.
+///
+/// The first chunk is kept inline and as it came: most bodies arrive in one frame, and then
+/// buffering them allocates and copies nothing. Later chunks of [`SMALL_CHUNK`] bytes or more
+/// are kept as they came too (no copy); smaller ones are copied into buffers of up to
+/// [`COALESCED`] bytes, so that a body sent a byte at a time is a few buffers, not a handle
+/// (and an allocation) per byte.
 #[derive(Default)]
 pub(crate) struct Chunks {
     first: Option<Bytes>,
-    rest: VecDeque<Bytes>,
+    // Boxed: a body of one frame never needs it, and keeps `Chunks` small.
+    rest: Option<Box<Rest>>,
+}
+
+/// The chunks after the first.
+#[derive(Default)]
+struct Rest {
+    chunks: VecDeque<Bytes>,
+    /// Small chunks, copied; they come after everything in `chunks`.
+    small: BytesMut,
+}
+
+impl Rest {
+    /// Moves the buffer of small chunks to the end of `chunks`.
+    fn close_small(&mut self) {
+        if !self.small.is_empty() {
+            self.chunks
+                .push_back(std::mem::take(&mut self.small).freeze());
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.chunks.is_empty() && self.small.is_empty()
+    }
 }
 
 impl Chunks {
     /// Appends a chunk (all pushes come before the first pop).
     pub(crate) fn push(&mut self, chunk: Bytes) {
-        if self.first.is_none() && self.rest.is_empty() {
+        if self.is_empty() {
             self.first = Some(chunk);
+            return;
+        }
+        let rest = self.rest.get_or_insert_with(Box::default);
+        if chunk.len() >= SMALL_CHUNK {
+            rest.close_small();
+            rest.chunks.push_back(chunk);
         } else {
-            self.rest.push_back(chunk);
+            if rest.small.len() + chunk.len() > COALESCED {
+                rest.close_small();
+            }
+            rest.small.extend_from_slice(&chunk);
         }
     }
 
     pub(crate) fn pop_front(&mut self) -> Option<Bytes> {
-        self.first.take().or_else(|| self.rest.pop_front())
+        if let Some(first) = self.first.take() {
+            return Some(first);
+        }
+        let rest = self.rest.as_mut()?;
+        rest.close_small();
+        rest.chunks.pop_front()
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.first.is_none() && self.rest.is_empty()
+        self.first.is_none() && self.rest.as_ref().is_none_or(|r| r.is_empty())
     }
 
     pub(crate) fn byte_len(&self) -> u64 {
-        self.first
-            .iter()
-            .chain(&self.rest)
-            .map(|c| c.len() as u64)
-            .sum()
+        let first = self.first.as_ref().map_or(0, |c| c.len() as u64);
+        let rest = self.rest.as_ref().map_or(0, |r| {
+            r.chunks.iter().map(|c| c.len() as u64).sum::<u64>() + r.small.len() as u64
+        });
+        first + rest
     }
 
     /// All chunks as one `Bytes`, copying only when there are several.
     pub(crate) fn into_bytes(mut self) -> Bytes {
-        if self.rest.is_empty() {
+        if self.rest.as_ref().is_none_or(|r| r.is_empty()) {
             return self.first.unwrap_or_default();
         }
         let len = usize::try_from(self.byte_len()).unwrap_or(usize::MAX);
-        let mut all = bytes::BytesMut::with_capacity(len);
+        let mut all = BytesMut::with_capacity(len);
         while let Some(c) = self.pop_front() {
             all.extend_from_slice(&c);
         }
@@ -62,7 +111,10 @@ pin_project! {
     ///
     /// Requests the layer does not cover pass their body through untouched. Keyed requests
     /// were read in full (to fingerprint them before the handler runs); their body is replayed
-    /// from the buffered chunks without copying them.
+    /// from the buffered chunks. Frames of 4 KiB or more, and the first frame whatever its
+    /// size, are handed on as they came, without a copy; smaller frames after the first are
+    /// joined into frames of up to 64 KiB, so the handler may see fewer, larger frames than the
+    /// client sent (the same bytes, in the same order).
     pub struct RequestBody<B> {
         #[pin]
         kind: RequestKind<B>,
@@ -149,7 +201,8 @@ pin_project! {
     ///
     /// Either the handler's own body (passthrough, or an answer too large to store whose
     /// buffered head is sent first), or a complete body (a replay, a rejection, or a handler
-    /// answer that was buffered to be stored).
+    /// answer that was buffered to be stored, followed by the handler's trailers if it sent
+    /// any: they are not stored, so a replay has none).
     pub struct ResponseBody<B: Body> {
         #[pin]
         kind: ResponseKind<B>,
@@ -160,7 +213,8 @@ pin_project! {
     #[project = ResponseKindProj]
     enum ResponseKind<B: Body> {
         Inner { #[pin] body: B },
-        Full { data: Option<Bytes> },
+        // Trailers are rare: boxed, they keep the body small.
+        Full { data: Option<Bytes>, trailers: Option<Box<HeaderMap>> },
         Prefixed { head: Chunks, rest: Pin<Box<B>> },
         Failed { head: Chunks, error: Option<B::Error> },
     }
@@ -174,9 +228,15 @@ impl<B: Body> ResponseBody<B> {
     }
 
     pub(crate) fn full(data: Bytes) -> Self {
+        Self::full_with_trailers(data, None)
+    }
+
+    /// A complete body, then its trailers.
+    pub(crate) fn full_with_trailers(data: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
         Self {
             kind: ResponseKind::Full {
                 data: (!data.is_empty()).then_some(data),
+                trailers,
             },
         }
     }
@@ -213,7 +273,10 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
             ResponseKindProj::Inner { body } => body.poll_frame(cx),
-            ResponseKindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            ResponseKindProj::Full { data, trailers } => Poll::Ready(match data.take() {
+                Some(d) => Some(Ok(Frame::data(d))),
+                None => trailers.take().map(|t| Ok(Frame::trailers(*t))),
+            }),
             ResponseKindProj::Prefixed { head, rest } => match head.pop_front() {
                 Some(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
                 None => rest.as_mut().poll_frame(cx),
@@ -228,7 +291,7 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             ResponseKind::Inner { body } => body.is_end_stream(),
-            ResponseKind::Full { data } => data.is_none(),
+            ResponseKind::Full { data, trailers } => data.is_none() && trailers.is_none(),
             ResponseKind::Prefixed { head, rest } => head.is_empty() && rest.is_end_stream(),
             ResponseKind::Failed { head, error } => head.is_empty() && error.is_none(),
         }
@@ -237,7 +300,7 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             ResponseKind::Inner { body } => body.size_hint(),
-            ResponseKind::Full { data } => {
+            ResponseKind::Full { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             ResponseKind::Prefixed { head, rest } => {
@@ -275,5 +338,59 @@ mod tests {
         let collected = body.collect().await.unwrap();
         assert_eq!(collected.trailers(), Some(&trailers));
         assert_eq!(collected.to_bytes(), "abc");
+    }
+
+    #[test]
+    fn small_chunks_are_coalesced_and_keep_their_order() {
+        let mut chunks = Chunks::default();
+        let mut expected = Vec::new();
+        let mut push = |chunks: &mut Chunks, chunk: Bytes| {
+            expected.extend_from_slice(&chunk);
+            chunks.push(chunk);
+        };
+        let first = Bytes::from_static(b"first");
+        push(&mut chunks, first.clone());
+        for i in 0..(3 * COALESCED) {
+            push(
+                &mut chunks,
+                Bytes::from(vec![u8::try_from(i % 251).unwrap()]),
+            );
+        }
+        let large = Bytes::from(vec![7u8; SMALL_CHUNK]);
+        push(&mut chunks, large.clone());
+        push(&mut chunks, Bytes::from_static(b"last"));
+        assert_eq!(chunks.byte_len(), expected.len() as u64);
+
+        let mut popped = Vec::new();
+        while let Some(chunk) = chunks.pop_front() {
+            popped.push(chunk);
+        }
+        // The first chunk and the large one are the caller's own buffers, not copies.
+        assert_eq!(popped[0].as_ptr(), first.as_ptr());
+        assert!(popped.iter().any(|c| c.as_ptr() == large.as_ptr()));
+        // first, three full buffers of one-byte chunks, the large chunk, "last".
+        assert_eq!(
+            popped.len(),
+            6,
+            "{:?}",
+            popped.iter().map(Bytes::len).collect::<Vec<_>>()
+        );
+        assert_eq!(popped.concat(), expected);
+        assert!(chunks.is_empty());
+    }
+
+    #[test]
+    fn into_bytes_keeps_a_single_chunk_and_joins_several() {
+        let one = Bytes::from_static(b"only");
+        let mut chunks = Chunks::default();
+        chunks.push(one.clone());
+        assert_eq!(chunks.into_bytes().as_ptr(), one.as_ptr());
+
+        let mut chunks = Chunks::default();
+        for part in [&b"a"[..], b"b", b"c"] {
+            chunks.push(Bytes::from_static(part));
+        }
+        assert_eq!(chunks.byte_len(), 3);
+        assert_eq!(chunks.into_bytes(), "abc");
     }
 }

@@ -150,7 +150,8 @@ impl<St> IdempotencyLayer<St> {
     /// Takes the key from the request head with a function instead of a header, for senders
     /// that identify a delivery some other way (a query parameter, a header that must be
     /// combined with another). `None` is a missing key. The result is validated like a header
-    /// value (1 to 255 visible ASCII characters, bare or quoted), so a bad value is a `400`.
+    /// value (1 to 255 visible ASCII characters bare, or a quoted string that may also hold
+    /// spaces), so a bad value is a `400`.
     ///
     /// ```
     /// use tower_idempotency::{IdempotencyLayer, MemoryStore};

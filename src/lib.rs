@@ -52,7 +52,7 @@
 //! | state of (scope, key) | answer |
 //! |---|---|
 //! | absent, or expired (completed longer ago than the TTL; in progress, it never expires while its lease runs) | the key is claimed *in progress* under a lease; the handler runs |
-//! | in progress, lease running | `409 Conflict` with `Retry-After`; handler not run |
+//! | in progress, lease running | `409 Conflict` with `Retry-After: 1`; handler not run |
 //! | in progress, lease ran out (its process died) | taken over with a new fencing token; the handler runs |
 //! | completed | the stored status, headers and body replayed with `Idempotent-Replayed: true`; handler not run |
 //! | any, with another fingerprint | `422 Unprocessable Content`; handler not run; record unchanged |
@@ -71,7 +71,7 @@
 //! | request | answer |
 //! |---|---|
 //! | covered method, no key (key required, the default) | `400`; with [`with_key_required(false)`](IdempotencyLayer::with_key_required) passed through unprotected |
-//! | key empty, over 255 characters, not visible ASCII, or badly quoted | `400` |
+//! | key empty, over 255 characters, not visible ASCII (a quoted key may also hold spaces), or badly quoted | `400` |
 //! | key as a quoted string (`"abc"`) or bare (`abc`) | accepted; the same key |
 //! | the key header more than once | `400` |
 //! | body over the limit (default 1 MiB) | `413`; nothing stored |
@@ -101,7 +101,8 @@
 //! Replays carry the stored headers except hop-by-hop headers, `Date` (a replay is a new
 //! message), `Content-Length` (recomputed) and, by default, `Set-Cookie`: a cookie is usually
 //! a credential, and replaying it hands it to whoever retries with the key. Response trailers
-//! are not stored.
+//! (gRPC's `grpc-status`, for one) reach the client of the first request but are not stored:
+//! a replay has none.
 //!
 //! # Stores
 //!
@@ -226,11 +227,12 @@ pub mod problems {
     //! Every body is `application/problem+json` with `type`, `title`, `status` and `detail`.
     //!
     //! ## missing-key
-    //! `400`: a covered request has no `Idempotency-Key`.
+    //! `400`: a covered request has no key: no `Idempotency-Key`, or no value in the header
+    //! the layer was configured to read. The `detail` names that header.
     //!
     //! ## invalid-key
-    //! `400`: the key is empty, longer than 255 characters, not visible ASCII, or not a
-    //! well-formed quoted string.
+    //! `400`: the key is empty, longer than 255 characters, not visible ASCII (a quoted key
+    //! may also hold spaces), or not a well-formed quoted string.
     //!
     //! ## multiple-keys
     //! `400`: the key header was sent more than once.
@@ -242,7 +244,10 @@ pub mod problems {
     //! `413`: the body is larger than the layer's limit.
     //!
     //! ## request-in-progress
-    //! `409` with `Retry-After`: the first request with this key has not finished.
+    //! `409` with `Retry-After: 1`: the first request with this key has not finished. The hint
+    //! is the smallest `Retry-After` there is: the layer cannot know when the first request will
+    //! answer (what is left of its lease, renewed while the handler runs, is no estimate of it),
+    //! and most handlers answer within a second. A client may wait longer between retries.
     //!
     //! ## key-reused
     //! `422`: the key was used with a different method, path, query or body.

@@ -4,9 +4,10 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, Response, StatusCode, header};
+use http::{HeaderName, HeaderValue, Response, StatusCode, header};
 
 use crate::key::KeyError;
+use crate::layer::IDEMPOTENCY_KEY;
 
 /// The media type of every rejection body.
 pub const PROBLEM_JSON: &str = "application/problem+json";
@@ -22,11 +23,25 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 #[non_exhaustive]
 pub enum Rejection {
     /// `400`: the request has no idempotency key and the layer requires one.
-    MissingKey,
-    /// `400`: the key is empty, too long, not visible ASCII or badly quoted.
-    InvalidKey(KeyError),
+    MissingKey {
+        /// The header the layer reads the key from (`Idempotency-Key` unless configured with
+        /// [`with_header`](crate::IdempotencyLayer::with_header)); `None` when the layer takes
+        /// the key with [`with_key_from`](crate::IdempotencyLayer::with_key_from).
+        header: Option<HeaderName>,
+    },
+    /// `400`: the key is empty, too long, has a character it may not, or is badly quoted.
+    InvalidKey {
+        /// What is wrong with the key.
+        error: KeyError,
+        /// The header the key was read from; `None` for a key taken with
+        /// [`with_key_from`](crate::IdempotencyLayer::with_key_from).
+        header: Option<HeaderName>,
+    },
     /// `400`: the request carries the key header more than once.
-    MultipleKeys,
+    MultipleKeys {
+        /// The header sent more than once.
+        header: HeaderName,
+    },
     /// `400`: the request body could not be read.
     UnreadableBody,
     /// `413`: the request body is larger than the layer's limit.
@@ -36,7 +51,10 @@ pub enum Rejection {
     },
     /// `409`: a request with this key is still being processed.
     InFlight {
-        /// When the client should try again (sent as `Retry-After`, in whole seconds).
+        /// When the client should try again (sent as `Retry-After`, in whole seconds rounded
+        /// up, at least 1). The layer says at most 1 s: it cannot know when the first request
+        /// will answer, and what is left of its lease (renewed while the handler runs) is no
+        /// estimate of it.
         retry_after: Duration,
     },
     /// `422`: the key was used before with a different request.
@@ -55,9 +73,10 @@ impl Rejection {
     /// The HTTP status of this rejection.
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::MissingKey | Self::InvalidKey(_) | Self::MultipleKeys | Self::UnreadableBody => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::MissingKey { .. }
+            | Self::InvalidKey { .. }
+            | Self::MultipleKeys { .. }
+            | Self::UnreadableBody => StatusCode::BAD_REQUEST,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InFlight { .. } | Self::ResponseNotStored { .. } => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
@@ -68,9 +87,9 @@ impl Rejection {
     /// A stable identifier of the problem, used as the last part of the `type` URI.
     pub fn code(&self) -> &'static str {
         match self {
-            Self::MissingKey => "missing-key",
-            Self::InvalidKey(_) => "invalid-key",
-            Self::MultipleKeys => "multiple-keys",
+            Self::MissingKey { .. } => "missing-key",
+            Self::InvalidKey { .. } => "invalid-key",
+            Self::MultipleKeys { .. } => "multiple-keys",
             Self::UnreadableBody => "unreadable-body",
             Self::BodyTooLarge { .. } => "body-too-large",
             Self::InFlight { .. } => "request-in-progress",
@@ -80,12 +99,13 @@ impl Rejection {
         }
     }
 
-    /// A short, human-readable summary (the problem's `title`).
+    /// A short, human-readable summary (the problem's `title`), the same for every occurrence
+    /// of the problem type; the [`detail`](Self::detail) names the header.
     pub fn title(&self) -> &'static str {
         match self {
-            Self::MissingKey => "Idempotency-Key is missing",
-            Self::InvalidKey(_) => "Idempotency-Key is invalid",
-            Self::MultipleKeys => "Idempotency-Key is sent more than once",
+            Self::MissingKey { .. } => "The idempotency key is missing",
+            Self::InvalidKey { .. } => "The idempotency key is invalid",
+            Self::MultipleKeys { .. } => "The idempotency key is sent more than once",
             Self::UnreadableBody => "The request body could not be read",
             Self::BodyTooLarge { .. } => "The request body is too large",
             Self::InFlight { .. } => "A request with this Idempotency-Key is being processed",
@@ -97,14 +117,36 @@ impl Rejection {
         }
     }
 
-    /// The explanation specific to this occurrence (the problem's `detail`).
+    /// The explanation specific to this occurrence (the problem's `detail`). For a problem
+    /// with the key, it names where the layer reads the key: its header, or, for a key taken
+    /// with [`with_key_from`](crate::IdempotencyLayer::with_key_from), the request.
     pub fn detail(&self) -> String {
+        const KEY_RULES: &str = "A key is 1 to 255 visible ASCII characters, bare, or a quoted \
+             string that may also hold spaces.";
         match self {
-            Self::MissingKey => "This operation requires an Idempotency-Key header.".into(),
-            Self::InvalidKey(e) => format!(
-                "{e}. A key is 1 to 255 visible ASCII characters, bare or as a quoted string."
+            Self::MissingKey { header: Some(h) } => {
+                format!("This operation requires the {} header.", header_name(h))
+            }
+            Self::MissingKey { header: None } => "This operation requires an idempotency key, \
+                 which this service derives from the request; this request has none."
+                .into(),
+            Self::InvalidKey {
+                error,
+                header: Some(h),
+            } => format!(
+                "The {} header is not a valid idempotency key: {error}. {KEY_RULES}",
+                header_name(h)
             ),
-            Self::MultipleKeys => "Send exactly one Idempotency-Key header.".into(),
+            Self::InvalidKey {
+                error,
+                header: None,
+            } => format!(
+                "The idempotency key this service derives from the request is not valid: \
+                 {error}. {KEY_RULES}"
+            ),
+            Self::MultipleKeys { header } => {
+                format!("Send exactly one {} header.", header_name(header))
+            }
             Self::UnreadableBody => "The request body ended unexpectedly.".into(),
             Self::BodyTooLarge { limit } => {
                 format!("Requests with an idempotency key may carry at most {limit} bytes.")
@@ -170,6 +212,16 @@ impl Rejection {
     }
 }
 
+/// A header's name as the problem documents write it: `Idempotency-Key` as the draft spells
+/// it, other names as configured (header names are lowercase, like HTTP/2 sends them).
+fn header_name(name: &HeaderName) -> &str {
+    if *name == IDEMPOTENCY_KEY {
+        "Idempotency-Key"
+    } else {
+        name.as_str()
+    }
+}
+
 /// `Retry-After` is whole seconds; round up and never say 0.
 fn retry_after_secs(d: Duration) -> u64 {
     let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
@@ -231,9 +283,21 @@ mod tests {
     #[test]
     fn every_rejection_is_valid_json_with_its_status() {
         let all = [
-            Rejection::MissingKey,
-            Rejection::InvalidKey(KeyError::TooLong),
-            Rejection::MultipleKeys,
+            Rejection::MissingKey {
+                header: Some(IDEMPOTENCY_KEY),
+            },
+            Rejection::MissingKey { header: None },
+            Rejection::InvalidKey {
+                error: KeyError::TooLong,
+                header: Some(IDEMPOTENCY_KEY),
+            },
+            Rejection::InvalidKey {
+                error: KeyError::Empty,
+                header: None,
+            },
+            Rejection::MultipleKeys {
+                header: IDEMPOTENCY_KEY,
+            },
             Rejection::UnreadableBody,
             Rejection::BodyTooLarge { limit: 10 },
             Rejection::InFlight {
@@ -250,6 +314,45 @@ mod tests {
             let v: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
             assert_eq!(v["status"], res.status().as_u16(), "{r:?}");
             assert_eq!(v["title"], r.title());
+        }
+    }
+
+    #[test]
+    fn key_problems_name_the_header_the_key_is_read_from() {
+        let webhook = HeaderName::from_static("webhook-id");
+        let header = Some(webhook.clone());
+        for r in [
+            Rejection::MissingKey {
+                header: header.clone(),
+            },
+            Rejection::InvalidKey {
+                error: KeyError::InvalidCharacter,
+                header,
+            },
+            Rejection::MultipleKeys { header: webhook },
+        ] {
+            let (title, detail) = (r.title(), r.detail());
+            assert!(detail.contains("webhook-id header"), "{detail}");
+            assert!(!title.contains("Idempotency-Key"), "{title}");
+            assert!(!detail.contains("Idempotency-Key"), "{detail}");
+        }
+        let default = Rejection::MissingKey {
+            header: Some(IDEMPOTENCY_KEY),
+        };
+        assert_eq!(
+            default.detail(),
+            "This operation requires the Idempotency-Key header."
+        );
+        for r in [
+            Rejection::MissingKey { header: None },
+            Rejection::InvalidKey {
+                error: KeyError::Empty,
+                header: None,
+            },
+        ] {
+            let detail = r.detail();
+            assert!(detail.contains("derives from the request"), "{detail}");
+            assert!(!detail.contains("header"), "{detail}");
         }
     }
 }

@@ -144,17 +144,27 @@ fn read_key<B>(
             let mut values = req.headers().get_all(name).iter();
             match (values.next(), values.next()) {
                 (None, _) => Ok(None),
-                (Some(_), Some(_)) => Err(Rejection::MultipleKeys),
-                (Some(v), None) => IdempotencyKey::from_header(v)
-                    .map(Some)
-                    .map_err(Rejection::InvalidKey),
+                (Some(_), Some(_)) => Err(Rejection::MultipleKeys {
+                    header: name.clone(),
+                }),
+                (Some(v), None) => IdempotencyKey::from_header(v).map(Some).map_err(|error| {
+                    Rejection::InvalidKey {
+                        error,
+                        header: Some(name.clone()),
+                    }
+                }),
             }
         }
         KeySource::Fn(f) => {
             let (parts, body) = req.into_parts();
             let key = f(&parts);
             let found = key
-                .map(|k| IdempotencyKey::parse(&k).map_err(Rejection::InvalidKey))
+                .map(|k| {
+                    IdempotencyKey::parse(&k).map_err(|error| Rejection::InvalidKey {
+                        error,
+                        header: None,
+                    })
+                })
                 .transpose();
             return (Request::from_parts(parts, body), missing(found, config));
         }
@@ -167,7 +177,12 @@ fn missing(
     config: &Config,
 ) -> Result<Option<IdempotencyKey>, Rejection> {
     match found {
-        Ok(None) if config.key_required => Err(Rejection::MissingKey),
+        Ok(None) if config.key_required => Err(Rejection::MissingKey {
+            header: match &config.key_source {
+                KeySource::Header(name) => Some(name.clone()),
+                KeySource::Fn(_) => None,
+            },
+        }),
         other => other,
     }
 }
@@ -228,6 +243,12 @@ pub(crate) enum Taken {
     Mismatch,
 }
 
+/// The longest `Retry-After` hint of a `409` while the first request runs: 1 s, the smallest
+/// whole second. A store knows when the first request's lease runs out, not when its handler
+/// will answer; the lease is renewed while the handler runs, so what is left of it (up to all
+/// of it, 30 s by default) says nothing about when the answer will be there to replay.
+const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
 /// The layer's answer to a request whose key is taken (recorded as its outcome).
 pub(crate) fn answer_taken<B: Body>(config: &Config, taken: Taken) -> Response<ResponseBody<B>> {
     match taken {
@@ -237,6 +258,7 @@ pub(crate) fn answer_taken<B: Body>(config: &Config, taken: Taken) -> Response<R
         }
         Taken::InFlight(retry_after) => {
             record(Outcome::InFlight);
+            let retry_after = retry_after.min(IN_FLIGHT_RETRY_AFTER);
             render(config, &Rejection::InFlight { retry_after })
         }
         Taken::Mismatch => {
@@ -265,7 +287,7 @@ pub(crate) fn log_store_error(err: &StoreError, what: &'static str) {
     );
 }
 
-/// A request body read in full: its chunks (not copied), trailers and fingerprint input.
+/// A request body read in full: its chunks (small ones coalesced) and trailers.
 pub(crate) struct Buffered {
     pub(crate) chunks: Chunks,
     pub(crate) trailers: Option<Box<HeaderMap>>,
@@ -342,6 +364,7 @@ pub(crate) fn to_store<B: Body>(config: &Config, response: Response<B>) -> ToSto
         parts,
         body: Box::pin(body),
         chunks: Chunks::default(),
+        trailers: None,
         len: 0,
         limit: config.max_response_body,
         keep_set_cookie: config.keep_set_cookie,
@@ -353,11 +376,12 @@ pub(crate) struct ToStore<B: Body>(Option<Answer<B>>);
 
 enum Answer<B: Body> {
     Unstored(Response<B>),
-    /// Reads the body up to `limit` bytes. Trailers are not kept.
+    /// Reads the body up to `limit` bytes. Trailers are passed on to the client, not stored.
     Reading {
         parts: http::response::Parts,
         body: Pin<Box<B>>,
         chunks: Chunks,
+        trailers: Option<Box<HeaderMap>>,
         len: usize,
         limit: usize,
         keep_set_cookie: bool,
@@ -385,6 +409,7 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
             Some(Answer::Reading {
                 body,
                 chunks,
+                trailers,
                 len,
                 limit,
                 ..
@@ -392,17 +417,23 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
                 match ready!(body.as_mut().poll_frame(cx)) {
                     None => break Read::Complete,
                     Some(Err(e)) => break Read::Failed(e),
-                    Some(Ok(frame)) => {
-                        if let Ok(data) = frame.into_data()
-                            && !data.is_empty()
-                        {
+                    Some(Ok(frame)) => match frame.into_data() {
+                        Ok(data) => {
+                            if data.is_empty() {
+                                continue;
+                            }
                             *len = len.saturating_add(data.len());
                             chunks.push(data);
                             if *len > *limit {
                                 break Read::TooLarge;
                             }
                         }
-                    }
+                        Err(frame) => {
+                            if let Ok(t) = frame.into_trailers() {
+                                trailers.get_or_insert_with(Box::default).extend(t);
+                            }
+                        }
+                    },
                 }
             },
         };
@@ -415,6 +446,7 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
                 parts,
                 body,
                 chunks,
+                trailers,
                 keep_set_cookie,
                 ..
             } => {
@@ -429,7 +461,10 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
                     Read::Complete => {
                         let bytes = chunks.into_bytes();
                         let stored = stored(Some(bytes.clone()));
-                        (ResponseBody::full(bytes), Some(stored))
+                        (
+                            ResponseBody::full_with_trailers(bytes, trailers),
+                            Some(stored),
+                        )
                     }
                     Read::TooLarge => {
                         let stored = stored(None);
