@@ -69,9 +69,22 @@
 //! | `POST /webhooks/provider` | a webhook receiver, deduplicated on its `webhook-id` header |
 //! | `GET /webhooks/provider` | how many distinct webhook events were applied |
 //!
+//! Inputs are bounded, and errors are `application/problem+json` documents:
+//!
+//! - `amount_cents` is a whole number of cents from 1 to 1 000 000 000 (10 million in currency
+//!   units), at the payments service and at the provider; any other number is `422`. An
+//!   order's `total_cents` is summed exactly (as an `i128`, and in Postgres as a `numeric`),
+//!   so it never overflows;
+//! - an order id is any whole number that fits 64 bits (negative ones too); in a body another
+//!   number is `422`, in a path anything else is `404`;
+//! - a body that is not JSON of the expected shape is `400`.
+//!
 //! Authentication is a toy: `Authorization: Bearer <tenant>` names the tenant; without the
 //! header the request belongs to the anonymous tenant. Keys are scoped per tenant, so tenants
-//! never see (or block) each other's keys.
+//! never see (or block) each other's keys. A tenant name is 1 to 128 characters of RFC 6750's
+//! token alphabet (`A-Z a-z 0-9 - . _ ~ + /`, then any `=`); another token, or another
+//! `Authorization` scheme, is `401` with a `WWW-Authenticate` challenge, answered before the
+//! idempotency layer claims anything.
 
 use std::collections::{HashMap, HashSet};
 use std::io::{IsTerminal as _, Write as _};
@@ -82,6 +95,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
+use axum::extract::rejection::PathRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest as _, Path, Request, State};
 use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, WWW_AUTHENTICATE};
 use axum::http::request::Parts;
@@ -92,6 +106,7 @@ use axum::routing::{patch, post};
 use axum::{Extension, Json, Router};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use serde_json::Number;
 use sqlx::postgres::{PgExecutor, PgPoolOptions};
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tower::ServiceExt as _;
@@ -425,28 +440,59 @@ where
 #[derive(Clone, Debug)]
 struct Tenant(Arc<str>);
 
+/// The longest tenant name a bearer token may carry.
+const MAX_TENANT_LEN: usize = 128;
+
 /// `Authorization: Bearer <tenant>` names the tenant; no header, the anonymous tenant. Any
-/// other `Authorization` is refused with `401`, before the idempotency layer sees the request.
+/// other `Authorization`, and a token that is no tenant name ([`is_tenant`]), is refused with
+/// `401`, before the idempotency layer sees the request: nothing is claimed or stored for a
+/// request that is refused here.
+///
+/// `401`, not `400`, for a malformed or over-long token: it is a bad credential (RFC 6750's
+/// `invalid_token`), and a client answers a `401` by fixing its credentials, not by retrying
+/// the same request.
 async fn authenticate(mut request: Request, next: Next) -> Response {
     let tenant = match request.headers().get(AUTHORIZATION) {
         None => String::new(),
         Some(value) => match bearer_token(value) {
-            Some(token) => token.to_owned(),
+            Some(token) if is_tenant(token) => token.to_owned(),
+            Some(_) => {
+                return unauthorized(
+                    format!(
+                        "the bearer token names the tenant: 1 to {MAX_TENANT_LEN} characters \
+                         of A-Z a-z 0-9 - . _ ~ + /, then any number of ="
+                    ),
+                    r#"Bearer error="invalid_token""#,
+                );
+            }
             None => {
-                let mut response = ApiError::new(
-                    StatusCode::UNAUTHORIZED,
-                    "expected `Authorization: Bearer <tenant>`",
-                )
-                .into_response();
-                response
-                    .headers_mut()
-                    .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-                return response;
+                return unauthorized("expected `Authorization: Bearer <tenant>`", "Bearer");
             }
         },
     };
     request.extensions_mut().insert(Tenant(tenant.into()));
     next.run(request).await
+}
+
+/// A `401` problem with a `WWW-Authenticate` challenge.
+fn unauthorized(detail: impl Into<String>, challenge: &'static str) -> Response {
+    let mut response = ApiError::new(StatusCode::UNAUTHORIZED, detail).into_response();
+    response
+        .headers_mut()
+        .insert(WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+    response
+}
+
+/// Whether `token` is a tenant name: RFC 6750's token syntax (`b64token`), at most
+/// [`MAX_TENANT_LEN`] characters. The bound keeps the keys' scopes (`tenant:<name>`) small:
+/// in Postgres a scope of a few thousand characters would not fit the keys' index.
+fn is_tenant(token: &str) -> bool {
+    let name = token.trim_end_matches('=');
+    token.len() <= MAX_TENANT_LEN
+        && !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._~+/".contains(&b))
 }
 
 /// The token of `Bearer <token>` (the scheme is case-insensitive).
@@ -466,10 +512,56 @@ fn tenant_of(parts: &Parts) -> &str {
 // Payments and orders
 // ---------------------------------------------------------------------------------------------
 
+/// The body of `POST /payments`. The numbers are kept as sent and checked by [`order_id`]
+/// and [`amount_cents`], so that a number out of range is a `422` that says so.
 #[derive(Deserialize)]
 struct NewPayment {
-    order_id: i64,
-    amount_cents: i64,
+    order_id: Number,
+    amount_cents: Number,
+}
+
+/// The largest amount of one payment, and of one charge: 10 million in currency units.
+/// Amounts are whole numbers of cents from 1 to this; others are refused with `422`.
+const MAX_AMOUNT_CENTS: i64 = 1_000_000_000;
+
+/// A checked `amount_cents`: a whole number from 1 to [`MAX_AMOUNT_CENTS`].
+fn amount_cents(amount: &Number) -> Result<i64, ApiError> {
+    amount
+        .as_i64()
+        .filter(|cents| (1..=MAX_AMOUNT_CENTS).contains(cents))
+        .ok_or_else(|| {
+            ApiError::unprocessable(format!(
+                "amount_cents must be a whole number of cents from 1 to {MAX_AMOUNT_CENTS}, \
+                 not {amount}"
+            ))
+        })
+}
+
+/// A checked `order_id` of a body: any whole number that fits 64 bits.
+fn order_id(id: &Number) -> Result<i64, ApiError> {
+    id.as_i64().ok_or_else(|| {
+        ApiError::unprocessable(format!(
+            "order_id must be a whole number from {} to {}, not {id}",
+            i64::MIN,
+            i64::MAX
+        ))
+    })
+}
+
+/// The `{order_id}` of a path. Anything but a 64-bit whole number (or a path segment that is
+/// not UTF-8 once percent-decoded) names no order: `404`.
+fn path_order_id(id: Result<Path<String>, PathRejection>) -> Result<i64, ApiError> {
+    let id = id.ok().and_then(|Path(id)| id.parse().ok());
+    id.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "no such order: order ids are whole numbers from {} to {}",
+                i64::MIN,
+                i64::MAX
+            ),
+        )
+    })
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug)]
@@ -488,8 +580,10 @@ struct OrderUpdate {
 #[derive(Serialize, Debug)]
 struct Order {
     order_id: i64,
-    /// The sum charged for the order.
-    total_cents: i64,
+    /// The sum charged for the order. An `i128`, which no sum of `i64` amounts overflows in
+    /// practice (it would take 2^64 payments of `i64::MAX`); with amounts bounded by
+    /// [`MAX_AMOUNT_CENTS`] it stays below 2^93.
+    total_cents: i128,
     /// The number of payments.
     payments: i64,
     shipping_address: Option<String>,
@@ -515,11 +609,8 @@ async fn create_payment(
 ) -> Result<(StatusCode, Json<Payment>), ApiError> {
     let authorization = request.headers().get(AUTHORIZATION).cloned();
     let new: NewPayment = read_json(request).await?;
-    if new.amount_cents <= 0 {
-        return Err(ApiError::bad_request(
-            "amount_cents must be a positive number of cents",
-        ));
-    }
+    let order_id = order_id(&new.order_id)?;
+    let amount_cents = amount_cents(&new.amount_cents)?;
     let key = key.map(|Extension(key)| key);
 
     // `<key>:charge`; always a valid key, even when the client's is 255 characters long.
@@ -531,15 +622,15 @@ async fn create_payment(
         None => None,
     };
     let charge =
-        charge_at_provider(&state.provider, authorization, charge_key, new.amount_cents).await?;
+        charge_at_provider(&state.provider, authorization, charge_key, amount_cents).await?;
 
     let mut writer = state.db.writer(tx).await?;
     let payment = writer
         .record_payment(
             &tenant.0,
             key.as_ref().map(IdempotencyKey::as_str),
-            new.order_id,
-            new.amount_cents,
+            order_id,
+            amount_cents,
             &charge.charge_id,
         )
         .await?;
@@ -592,10 +683,11 @@ async fn charge_at_provider(
 async fn update_order(
     State(state): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    Path(order_id): Path<i64>,
+    order_id: Result<Path<String>, PathRejection>,
     tx: Option<Extension<IdempotentTx>>,
     request: Request,
 ) -> Result<Json<Order>, ApiError> {
+    let order_id = path_order_id(order_id)?;
     let update: OrderUpdate = read_json(request).await?;
     let mut writer = state.db.writer(tx).await?;
     let order = writer
@@ -609,8 +701,9 @@ async fn update_order(
 async fn get_order(
     State(state): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    Path(order_id): Path<i64>,
+    order_id: Result<Path<String>, PathRejection>,
 ) -> Result<Json<Order>, ApiError> {
+    let order_id = path_order_id(order_id)?;
     Ok(Json(state.db.order(&tenant.0, order_id).await?))
 }
 
@@ -618,9 +711,17 @@ async fn get_order(
 // The fake payment provider
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Serialize, Deserialize)]
+/// The body of `POST /provider/charges`, as the payments service sends it.
+#[derive(Serialize)]
 struct NewCharge {
     amount_cents: i64,
+}
+
+/// The body of `POST /provider/charges`, as received: the amount is checked by
+/// [`amount_cents`].
+#[derive(Deserialize)]
+struct ChargeRequest {
+    amount_cents: Number,
 }
 
 #[derive(Serialize, Deserialize, Debug)]
@@ -639,17 +740,13 @@ async fn provider_charge(
     tx: Option<Extension<IdempotentTx>>,
     request: Request,
 ) -> Result<(StatusCode, Json<Charge>), ApiError> {
-    let new: NewCharge = read_json(request).await?;
-    if new.amount_cents <= 0 {
-        return Err(ApiError::bad_request(
-            "amount_cents must be a positive number of cents",
-        ));
-    }
+    let new: ChargeRequest = read_json(request).await?;
+    let amount_cents = amount_cents(&new.amount_cents)?;
     if !provider.charge_delay.is_zero() {
         tokio::time::sleep(provider.charge_delay).await;
     }
     let mut writer = provider.db.writer(tx).await?;
-    let charge = writer.create_charge(&tenant.0, new.amount_cents).await?;
+    let charge = writer.create_charge(&tenant.0, amount_cents).await?;
     writer.commit().await?;
     Ok((StatusCode::CREATED, Json(charge)))
 }
@@ -728,6 +825,10 @@ impl ApiError {
 
     fn bad_request(detail: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, detail)
+    }
+
+    fn unprocessable(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNPROCESSABLE_ENTITY, detail)
     }
 
     fn bad_gateway(detail: impl Into<String>) -> Self {
@@ -885,7 +986,7 @@ struct MemoryDb {
 
 #[derive(Default)]
 struct MemoryOrder {
-    total_cents: i64,
+    total_cents: i128,
     payments: i64,
     shipping_address: Option<String>,
 }
@@ -958,8 +1059,10 @@ async fn select_order<'c>(
     tenant: &str,
     order_id: i64,
 ) -> Result<Order, sqlx::Error> {
-    let (total_cents, payments, shipping_address): (i64, i64, Option<String>) = sqlx::query_as(
-        "SELECT COALESCE(SUM(p.amount_cents), 0)::bigint,
+    // SUM of bigints is a numeric, which never overflows; read as text, as sqlx decodes
+    // numerics only with features this example does not use.
+    let (total_cents, payments, shipping_address): (String, i64, Option<String>) = sqlx::query_as(
+        "SELECT COALESCE(SUM(p.amount_cents), 0)::text,
                 COUNT(p.id),
                 (SELECT o.shipping_address FROM example_orders o
                   WHERE o.tenant = $1 AND o.order_id = $2)
@@ -970,6 +1073,9 @@ async fn select_order<'c>(
     .bind(order_id)
     .fetch_one(executor)
     .await?;
+    let total_cents = total_cents
+        .parse()
+        .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
     Ok(Order {
         order_id,
         total_cents,
@@ -1122,12 +1228,17 @@ impl Writer {
     ) -> Result<Payment, ApiError> {
         let id: i64 = match self {
             Self::Memory(memory) => with_memory(memory, |m| {
-                m.payments += 1;
                 let order = m.orders.entry((tenant.to_owned(), order_id)).or_default();
-                order.total_cents = order.total_cents.saturating_add(amount_cents);
+                // Cannot fail (see `Order::total_cents`); checked all the same, so that a
+                // total is never capped or wrapped silently.
+                order.total_cents = order
+                    .total_cents
+                    .checked_add(i128::from(amount_cents))
+                    .ok_or_else(|| ApiError::internal("the order's total is out of range"))?;
                 order.payments += 1;
-                m.payments
-            }),
+                m.payments += 1;
+                Ok::<_, ApiError>(m.payments)
+            })?,
             Self::Postgres(tx) => {
                 sqlx::query_scalar(
                     "INSERT INTO example_payments

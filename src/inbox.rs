@@ -14,7 +14,16 @@
 //!   transaction, then sees `Duplicate` if it committed, or does the work itself if it rolled
 //!   back;
 //! - the work fails, or the process dies: everything rolls back, and the redelivery runs it
-//!   again.
+//!   again;
+//! - the work returns `Ok` after a statement of it failed (it caught a unique violation,
+//!   say): Postgres aborted the transaction, so nothing can commit →
+//!   [`InboxError::Aborted`], and the redelivery runs it again. Recover from an expected
+//!   failure in a savepoint (`sqlx::Connection::begin` on the work's connection) instead.
+//!
+//! Any `default_transaction_isolation` works. Under `repeatable read` and `serializable`, a
+//! delivery whose snapshot was taken before a racing delivery of the same message committed
+//! gets a serialization failure (40001) from the insert of the ID; the inbox checks that the
+//! ID is committed and answers [`Delivery::Duplicate`].
 //!
 //! **Acknowledge after `process` returns**, never before: an acknowledgement sent before the
 //! commit loses the message if the process dies in between; one sent after it can only be lost
@@ -73,12 +82,25 @@ pub enum InboxError<E> {
     /// The work returned an error; its transaction was rolled back.
     #[error("message work failed")]
     Work(#[source] E),
-    /// The database failed (begin, insert or commit); the transaction was rolled back.
+    /// The database failed (begin, insert, the check before the commit, or the commit); the
+    /// transaction was rolled back.
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The message ID is empty or longer than 1024 bytes.
     #[error("message IDs must be 1 to 1024 bytes long")]
     InvalidMessageId,
+    /// The work returned `Ok`, but its transaction could no longer commit: a statement in it
+    /// failed and the work carried on (Postgres aborts the whole transaction at the first
+    /// failed statement), or the work ended the transaction itself. Nothing was committed.
+    ///
+    /// To recover from an expected failure inside the work (a unique violation, say), run
+    /// the statement in a savepoint (`sqlx::Connection::begin` on the work's connection),
+    /// or avoid the failure (`INSERT … ON CONFLICT`).
+    #[error(
+        "the message's transaction was aborted by a failed statement that the work did not \
+         report; nothing was committed"
+    )]
+    Aborted,
 }
 
 /// The processed-message table of a consumer group, in Postgres. Cheap to clone.
@@ -93,6 +115,23 @@ const RECORD: &str = "
 INSERT INTO tower_idempotency_processed_messages (consumer, message_id)
 VALUES ($1, $2)
 ON CONFLICT (consumer, message_id) DO NOTHING";
+
+/// Whether the ID is recorded, as the statement's transaction sees it.
+const STILL_RECORDED: &str = "
+SELECT EXISTS (SELECT 1 FROM tower_idempotency_processed_messages
+                WHERE consumer = $1 AND message_id = $2)";
+
+/// SQLSTATE `serialization_failure`.
+const SERIALIZATION_FAILURE: &str = "40001";
+/// SQLSTATE `in_failed_sql_transaction`: a statement sent in an aborted transaction.
+const IN_FAILED_TRANSACTION: &str = "25P02";
+
+/// Whether `err` is a database error with SQLSTATE `code`.
+fn has_sqlstate(err: &sqlx::Error, code: &str) -> bool {
+    err.as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|c| c == code)
+}
 
 const PURGE: &str = "
 DELETE FROM tower_idempotency_processed_messages
@@ -132,8 +171,10 @@ impl Inbox {
     ///
     /// # Errors
     ///
-    /// [`InboxError::Work`] when `work` fails, [`InboxError::Store`] when the database does;
-    /// either way nothing was committed, so do not acknowledge: let the broker redeliver.
+    /// [`InboxError::Work`] when `work` fails, [`InboxError::Aborted`] when it returned `Ok`
+    /// but a statement of it failed (or it ended the transaction), [`InboxError::Store`] when
+    /// the database fails; in every case nothing was committed, so do not acknowledge: let
+    /// the broker redeliver.
     pub async fn process<T, E, F>(
         &self,
         consumer: &str,
@@ -148,20 +189,72 @@ impl Inbox {
         }
         let mut tx = self.pool.begin().await.map_err(db_error)?;
         // Waits only if another transaction inserted the same ID and has not ended yet.
-        let recorded = sqlx::query(RECORD)
+        let recorded = match sqlx::query(RECORD)
             .bind(consumer)
             .bind(message_id)
             .execute(&mut *tx)
             .await
-            .map_err(db_error)?;
+        {
+            Ok(recorded) => recorded,
+            // Repeatable read or serializable: a delivery of the same message committed
+            // after this transaction's snapshot, so the conflict is an error, not a no-op.
+            Err(err) if has_sqlstate(&err, SERIALIZATION_FAILURE) => {
+                tx.rollback().await.map_err(db_error)?;
+                return self.duplicate_or(consumer, message_id, err).await;
+            }
+            Err(err) => return Err(db_error(err).into()),
+        };
         if recorded.rows_affected() == 0 {
             tx.rollback().await.map_err(db_error)?;
             return Ok(Delivery::Duplicate);
         }
         // On error the transaction is dropped, which rolls it back.
         let out = work(&mut tx).await.map_err(InboxError::Work)?;
+        // A COMMIT in an aborted transaction rolls back and still succeeds (with the tag
+        // ROLLBACK, which sqlx does not check), and sqlx does not expose the connection's
+        // transaction status: ask the transaction before committing. In an aborted one this
+        // statement fails with 25P02; its answer says whether the ID is still in the
+        // transaction (work that ended the transaction itself took the ID with it). One
+        // round trip; sending it together with the COMMIT would mean a COMMIT behind the
+        // back of sqlx's transaction bookkeeping.
+        let pending = match sqlx::query_scalar(STILL_RECORDED)
+            .bind(consumer)
+            .bind(message_id)
+            .fetch_one(&mut *tx)
+            .await
+        {
+            Ok(pending) => pending,
+            Err(err) if has_sqlstate(&err, IN_FAILED_TRANSACTION) => false,
+            Err(err) => return Err(db_error(err).into()),
+        };
+        if !pending {
+            // Dropping the transaction rolls it back.
+            return Err(InboxError::Aborted);
+        }
         tx.commit().await.map_err(db_error)?;
         Ok(Delivery::Processed(out))
+    }
+
+    /// After a serialization failure on the insert of the ID: [`Delivery::Duplicate`] when
+    /// the ID is committed (a concurrent delivery processed the message), else the failure.
+    async fn duplicate_or<T, E>(
+        &self,
+        consumer: &str,
+        message_id: &str,
+        failure: sqlx::Error,
+    ) -> Result<Delivery<T>, InboxError<E>> {
+        // A statement of its own: a fresh snapshot, whatever the isolation level.
+        let committed: bool = sqlx::query_scalar(STILL_RECORDED)
+            .bind(consumer)
+            .bind(message_id)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db_error)?;
+        if committed {
+            Ok(Delivery::Duplicate)
+        } else {
+            Err(db_error(failure).into())
+        }
     }
 
     /// Deletes the IDs processed more than `age` ago, at most `batch_size` per statement,

@@ -3,11 +3,13 @@
 
 mod support;
 
+use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use sqlx::PgConnection;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use support::PgSchema;
 use tower_idempotency::inbox::{Delivery, Inbox, InboxError};
 
@@ -101,6 +103,126 @@ async fn failed_work_rolls_back_the_id_and_the_redelivery_runs_again() {
     done(schema, inbox).await;
 }
 
+/// A table with a unique key, for work that runs into a unique violation.
+async fn create_orders(inbox: &Inbox) {
+    sqlx::query("CREATE TABLE orders (id int PRIMARY KEY)")
+        .execute(inbox.pool())
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO orders VALUES (1)")
+        .execute(inbox.pool())
+        .await
+        .unwrap();
+}
+
+/// Whether `consumer` has `message_id` recorded as processed.
+async fn recorded(inbox: &Inbox, consumer: &str, message_id: &str) -> bool {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM tower_idempotency_processed_messages
+                         WHERE consumer = $1 AND message_id = $2)",
+    )
+    .bind(consumer)
+    .bind(message_id)
+    .fetch_one(inbox.pool())
+    .await
+    .unwrap()
+}
+
+/// The work catches a unique violation and returns `Ok`: Postgres aborted the transaction,
+/// so its `COMMIT` rolls back. `process` must say so instead of reporting `Processed`.
+#[tokio::test]
+async fn work_that_swallows_a_failed_statement_is_an_error_and_the_redelivery_runs_again() {
+    let (schema, inbox) = setup().await;
+    create_orders(&inbox).await;
+    let runs = AtomicUsize::new(0);
+    let err = inbox
+        .process("billing", "m1", async |c: &mut PgConnection| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            charge(c, "m1", 5).await?;
+            let duplicate = sqlx::query("INSERT INTO orders VALUES (1)")
+                .execute(&mut *c)
+                .await
+                .unwrap_err();
+            let code = duplicate.as_database_error().unwrap().code();
+            assert_eq!(code.as_deref(), Some("23505"));
+            // "Already there": the work swallows the error.
+            Ok::<_, sqlx::Error>(5)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, InboxError::Aborted), "{err:?}");
+    assert_eq!(ledger(&inbox).await, (0, 0), "nothing was committed");
+    assert!(
+        !recorded(&inbox, "billing", "m1").await,
+        "the ID is not recorded"
+    );
+
+    // The redelivery runs the work again (this time without the failing statement).
+    let again = inbox
+        .process("billing", "m1", async |c: &mut PgConnection| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            charge(c, "m1", 5).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, Delivery::Processed(5));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert_eq!(ledger(&inbox).await, (1, 5));
+    assert!(recorded(&inbox, "billing", "m1").await);
+    done(schema, inbox).await;
+}
+
+/// A savepoint is how work recovers from an expected failure: the transaction stays good.
+#[tokio::test]
+async fn work_that_recovers_through_a_savepoint_is_processed() {
+    let (schema, inbox) = setup().await;
+    create_orders(&inbox).await;
+    let got = inbox
+        .process("billing", "m1", async |c: &mut PgConnection| {
+            charge(&mut *c, "m1", 5).await?;
+            let mut savepoint = sqlx::Connection::begin(&mut *c).await?;
+            let duplicate = sqlx::query("INSERT INTO orders VALUES (1)")
+                .execute(&mut *savepoint)
+                .await;
+            assert!(duplicate.is_err());
+            savepoint.rollback().await?;
+            Ok::<_, sqlx::Error>(5)
+        })
+        .await
+        .unwrap();
+    assert_eq!(got, Delivery::Processed(5));
+    assert_eq!(ledger(&inbox).await, (1, 5));
+    assert!(recorded(&inbox, "billing", "m1").await);
+    done(schema, inbox).await;
+}
+
+/// The work ends the transaction itself (`ROLLBACK`): the ID went with it, so nothing
+/// records the message as processed.
+#[tokio::test]
+async fn work_that_rolls_the_transaction_back_itself_is_an_error() {
+    let (schema, inbox) = setup().await;
+    let err = inbox
+        .process("billing", "m1", async |c: &mut PgConnection| {
+            charge(&mut *c, "m1", 5).await?;
+            sqlx::query("ROLLBACK").execute(&mut *c).await?;
+            Ok::<_, sqlx::Error>(5)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, InboxError::Aborted), "{err:?}");
+    assert_eq!(ledger(&inbox).await, (0, 0));
+    assert!(!recorded(&inbox, "billing", "m1").await);
+    let again = inbox
+        .process("billing", "m1", async |c: &mut PgConnection| {
+            charge(c, "m1", 5).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, Delivery::Processed(5));
+    assert_eq!(ledger(&inbox).await, (1, 5));
+    done(schema, inbox).await;
+}
+
 #[tokio::test]
 async fn invalid_message_ids_are_errors() {
     let (schema, inbox) = setup().await;
@@ -165,31 +287,91 @@ async fn racing_consumer_does_the_work_if_the_first_rolls_back() {
     assert_eq!(totals, (1, 7));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn twenty_concurrent_deliveries_process_once() {
-    let (schema, inbox) = setup().await;
-    let tasks: Vec<_> = (0..20)
+/// 20 deliveries of one message race, on a pool whose sessions run with
+/// `default_transaction_isolation = isolation`: the work runs once, every delivery is
+/// `Processed` or `Duplicate`, none fails.
+///
+/// Under `repeatable read` and `serializable` a delivery whose snapshot predates the
+/// winner's commit gets a serialization failure (40001) from its insert of the ID instead of
+/// a conflict: that too is a duplicate.
+async fn concurrent_deliveries_process_once(isolation: &str) {
+    const DELIVERIES: usize = 20;
+    let schema = PgSchema::new().await;
+    let options = PgConnectOptions::from_str(&support::database_url())
+        .unwrap()
+        .options([
+            ("search_path", schema.name.as_str()),
+            ("default_transaction_isolation", isolation),
+        ]);
+    let pool = PgPoolOptions::new()
+        .max_connections(u32::try_from(DELIVERIES).unwrap())
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(options)
+        .await
+        .unwrap();
+    let inbox = Inbox::new(pool);
+    inbox.migrate().await.unwrap();
+    sqlx::query("CREATE TABLE ledger (message_id text NOT NULL, amount bigint NOT NULL)")
+        .execute(inbox.pool())
+        .await
+        .unwrap();
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let start = Arc::new(tokio::sync::Barrier::new(DELIVERIES));
+    let tasks: Vec<_> = (0..DELIVERIES)
         .map(|_| {
             let inbox = inbox.clone();
+            let runs = runs.clone();
+            let start = start.clone();
+            let isolation = isolation.to_owned();
             tokio::spawn(async move {
+                start.wait().await;
                 inbox
                     .process("billing", "m1", async |c: &mut PgConnection| {
+                        let level: String = sqlx::query_scalar("SHOW transaction_isolation")
+                            .fetch_one(&mut *c)
+                            .await?;
+                        assert_eq!(level, isolation, "the pool's isolation level applies");
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        // Hold the ID while the other deliveries arrive.
+                        tokio::time::sleep(Duration::from_millis(200)).await;
                         charge(c, "m1", 5).await
                     })
                     .await
-                    .unwrap()
             })
         })
         .collect();
     let mut processed = 0;
     for t in tasks {
-        if let Delivery::Processed(_) = t.await.unwrap() {
-            processed += 1;
+        match t.await.unwrap() {
+            Ok(Delivery::Processed(5)) => processed += 1,
+            Ok(Delivery::Duplicate) => {}
+            other => panic!("{isolation}: a delivery failed: {other:?}"),
         }
     }
-    assert_eq!(processed, 1);
-    assert_eq!(ledger(&inbox).await, (1, 5));
+    assert_eq!(processed, 1, "{isolation}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "{isolation}: the work ran once"
+    );
+    assert_eq!(ledger(&inbox).await, (1, 5), "{isolation}");
     done(schema, inbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_concurrent_deliveries_process_once() {
+    concurrent_deliveries_process_once("read committed").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_concurrent_deliveries_process_once_under_repeatable_read() {
+    concurrent_deliveries_process_once("repeatable read").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_concurrent_deliveries_process_once_under_serializable() {
+    concurrent_deliveries_process_once("serializable").await;
 }
 
 #[tokio::test]

@@ -569,7 +569,7 @@ async fn requests_without_a_valid_key_or_body_are_refused() {
     for amount in [0, -5] {
         let key = format!("amount{amount}");
         let reply = api.pay(&[("idempotency-key", &key)], 1, amount).await;
-        reply.expect_problem(StatusCode::BAD_REQUEST);
+        reply.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
     }
 
     assert_eq!(api.charges().await, 0, "nothing was charged");
@@ -1570,4 +1570,341 @@ async fn charged_before_the_crash(env: &[(&str, &str)]) -> Value {
     expect_replay_of(&again, &retry);
     assert_eq!(api.charges().await, 1);
     payment
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounds on input: amounts, order ids, tenants
+// ---------------------------------------------------------------------------------------------
+
+/// The largest amount one payment (or charge) may have: 10 million in currency units.
+const MAX_AMOUNT_CENTS: i64 = 1_000_000_000;
+
+/// `POST /payments` with a raw JSON body (for numbers an `i64` cannot hold).
+async fn pay_raw(api: &Api, key: &str, body: &str) -> Reply {
+    api.send(
+        Method::POST,
+        "/payments",
+        &[("idempotency-key", key), ("authorization", "Bearer acme")],
+        body.to_owned(),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn amounts_outside_1_to_1_000_000_000_cents_are_422() {
+    amounts_out_of_range(&[]).await;
+}
+
+#[tokio::test]
+async fn postgres_amounts_outside_1_to_1_000_000_000_cents_are_422() {
+    with_fresh_database(|url| async move {
+        amounts_out_of_range(&[("DATABASE_URL", &url)]).await;
+    })
+    .await;
+}
+
+/// Amounts that are not a whole number of cents from 1 to [`MAX_AMOUNT_CENTS`] are refused
+/// with `422` and a problem document, at the payments service and at the provider, and charge
+/// nothing. The bounds themselves are accepted.
+async fn amounts_out_of_range(env: &[(&str, &str)]) {
+    let server = Server::start(env);
+    let api = server.api();
+    let acme = ("authorization", "Bearer acme");
+
+    for amount in [0, -5, MAX_AMOUNT_CENTS + 1, i64::MAX, i64::MIN] {
+        let key = format!("amount{amount}");
+        let reply = api.pay(&[("idempotency-key", &key), acme], 1, amount).await;
+        reply.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+        let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("amount_cents"), "{detail}");
+        // A 4xx answer is stored like any other: the retry replays it.
+        let again = api.pay(&[("idempotency-key", &key), acme], 1, amount).await;
+        expect_replay_of(&again, &reply);
+
+        let charge = api
+            .post(
+                "/provider/charges",
+                &[("idempotency-key", &key), acme],
+                &json!({ "amount_cents": amount }),
+            )
+            .await;
+        charge.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+    }
+    // Numbers no i64 holds, and fractions of a cent.
+    for (i, amount) in ["99999999999999999999", "-99999999999999999999", "12.5"]
+        .iter()
+        .enumerate()
+    {
+        let body = format!(r#"{{"order_id": 1, "amount_cents": {amount}}}"#);
+        let reply = pay_raw(&api, &format!("raw-amount-{i}"), &body).await;
+        reply.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+    }
+    assert_eq!(api.charges().await, 0, "nothing was charged");
+    assert_eq!(api.order(Some("acme"), 1).await, order_json(1, 0, 0, None));
+
+    for amount in [1, MAX_AMOUNT_CENTS] {
+        let reply = api
+            .pay(
+                &[("idempotency-key", &format!("ok{amount}")), acme],
+                1,
+                amount,
+            )
+            .await;
+        expect_new_payment(&reply, 1, amount);
+    }
+    assert_eq!(api.charges().await, 2);
+    assert_eq!(
+        api.order(Some("acme"), 1).await,
+        order_json(1, MAX_AMOUNT_CENTS + 1, 2, None)
+    );
+}
+
+#[tokio::test]
+async fn the_order_total_cannot_overflow() {
+    order_total_cannot_overflow(&[]).await;
+}
+
+/// In Postgres the total is also exact for rows no longer accepted (written before amounts
+/// were bounded): their sum exceeds an i64, and `GET /orders/{id}` still answers it.
+#[tokio::test]
+async fn postgres_the_order_total_cannot_overflow() {
+    with_fresh_database(|url| async move {
+        order_total_cannot_overflow(&[("DATABASE_URL", &url)]).await;
+
+        let server = Server::start(&[("DATABASE_URL", &url)]);
+        let db = inspect(&url).await;
+        for _ in 0..2 {
+            sqlx::query(
+                "INSERT INTO example_payments (tenant, order_id, amount_cents, charge_id)
+                 VALUES ('legacy', 77, $1, 'ch_legacy')",
+            )
+            .bind(i64::MAX)
+            .execute(&db)
+            .await
+            .unwrap();
+        }
+        db.close().await;
+        let order = server.api().order(Some("legacy"), 77).await;
+        let total = u64::try_from(i64::MAX).unwrap() * 2;
+        assert_eq!(
+            order,
+            json!({
+                "order_id": 77,
+                "total_cents": total,
+                "payments": 2,
+                "shipping_address": null,
+            })
+        );
+    })
+    .await;
+}
+
+/// Two payments of `i64::MAX` used to overflow the order's total (a `500` forever in
+/// Postgres, a silently capped total in memory). They are refused; the total stays exact.
+async fn order_total_cannot_overflow(env: &[(&str, &str)]) {
+    let server = Server::start(env);
+    let api = server.api();
+    let acme = ("authorization", "Bearer acme");
+    for i in 0..2 {
+        let key = format!("huge-{i}");
+        let reply = api
+            .pay(&[("idempotency-key", &key), acme], 9, i64::MAX)
+            .await;
+        reply.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+    }
+    for i in 0..3 {
+        let key = format!("max-{i}");
+        let reply = api
+            .pay(&[("idempotency-key", &key), acme], 9, MAX_AMOUNT_CENTS)
+            .await;
+        expect_new_payment(&reply, 9, MAX_AMOUNT_CENTS);
+    }
+    assert_eq!(
+        api.order(Some("acme"), 9).await,
+        order_json(9, 3 * MAX_AMOUNT_CENTS, 3, None)
+    );
+    assert_eq!(api.charges().await, 3);
+}
+
+#[tokio::test]
+async fn absurd_order_ids_are_refused_and_never_a_500() {
+    absurd_order_ids(&[]).await;
+}
+
+#[tokio::test]
+async fn postgres_absurd_order_ids_are_refused_and_never_a_500() {
+    with_fresh_database(|url| async move {
+        absurd_order_ids(&[("DATABASE_URL", &url)]).await;
+    })
+    .await;
+}
+
+/// Any i64 is an order id (the contract says int): negative ones and the extremes work. A
+/// number no i64 holds, or a fraction, is `422` in a body and `404` in a path, with a problem
+/// document.
+async fn absurd_order_ids(env: &[(&str, &str)]) {
+    let server = Server::start(env);
+    let api = server.api();
+    let acme = ("authorization", "Bearer acme");
+
+    for order_id in [-7, 0, i64::MIN, i64::MAX] {
+        let key = format!("order{order_id}");
+        let reply = api
+            .pay(&[("idempotency-key", &key), acme], order_id, 5)
+            .await;
+        expect_new_payment(&reply, order_id, 5);
+        let patched = api
+            .patch(
+                &format!("/orders/{order_id}"),
+                &[("idempotency-key", &format!("patch{order_id}")), acme],
+                &json!({ "shipping_address": "Here" }),
+            )
+            .await;
+        assert_eq!(
+            patched.expect_json(StatusCode::OK),
+            order_json(order_id, 5, 1, Some("Here"))
+        );
+        assert_eq!(
+            api.order(Some("acme"), order_id).await,
+            order_json(order_id, 5, 1, Some("Here"))
+        );
+    }
+    assert_eq!(api.charges().await, 4);
+
+    for (i, order_id) in ["99999999999999999999", "-99999999999999999999", "1.5"]
+        .iter()
+        .enumerate()
+    {
+        let body = format!(r#"{{"order_id": {order_id}, "amount_cents": 5}}"#);
+        let reply = pay_raw(&api, &format!("raw-order-{i}"), &body).await;
+        reply.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+        let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("order_id"), "{detail}");
+    }
+    assert_eq!(api.charges().await, 4, "nothing more was charged");
+
+    for (i, path) in [
+        "/orders/99999999999999999999",
+        "/orders/-99999999999999999999",
+        "/orders/abc",
+        "/orders/1.5",
+        "/orders/%FF",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let got = api.get(path, &[acme]).await;
+        got.expect_problem(StatusCode::NOT_FOUND);
+        let patched = api
+            .patch(
+                path,
+                &[("idempotency-key", &format!("bad-path-{i}")), acme],
+                &json!({ "shipping_address": "Here" }),
+            )
+            .await;
+        patched.expect_problem(StatusCode::NOT_FOUND);
+    }
+}
+
+/// A string of `len` characters of the Bearer token alphabet that does not compress (so a
+/// Postgres index sees its full size).
+fn incompressible_token(len: usize) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/";
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let index = usize::try_from(state >> 33).unwrap() % ALPHABET.len();
+            char::from(ALPHABET[index])
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn an_over_long_or_malformed_tenant_is_401_before_the_layer() {
+    bad_tenants(&[]).await;
+}
+
+#[tokio::test]
+async fn postgres_an_over_long_or_malformed_tenant_is_401_before_the_layer() {
+    with_fresh_database(|url| async move {
+        bad_tenants(&[("DATABASE_URL", &url)]).await;
+        // The refused requests claimed no key: only the two accepted payments left theirs
+        // (each with its provider's key).
+        let db = inspect(&url).await;
+        assert_eq!(count(&db, "tower_idempotency_keys").await, 4);
+        db.close().await;
+    })
+    .await;
+}
+
+/// The toy token names the tenant: at most 128 characters of the RFC 6750 token alphabet.
+/// Anything else is `401` with a problem document and `WWW-Authenticate`, on every route of
+/// the payments service and of the provider, before the idempotency layer sees the request.
+async fn bad_tenants(env: &[(&str, &str)]) {
+    let server = Server::start(env);
+    let api = server.api();
+    let too_long = incompressible_token(3000);
+    let just_over = incompressible_token(129);
+    let longest = incompressible_token(128);
+
+    let bad = [
+        format!("Bearer {too_long}"),
+        format!("Bearer {just_over}"),
+        "Bearer acme corp".to_owned(),
+        "Bearer ac,me".to_owned(),
+        "Bearer \"acme\"".to_owned(),
+        "Bearer ac=me".to_owned(),
+        "Bearer ".to_owned(),
+        "Basic YWNtZTo=".to_owned(),
+    ];
+    for (i, authorization) in bad.iter().enumerate() {
+        let headers = [
+            ("idempotency-key", "tenant-key"),
+            ("authorization", authorization.as_str()),
+        ];
+        let replies = [
+            api.pay(&headers, 1, 100).await,
+            api.post(
+                "/provider/charges",
+                &headers,
+                &json!({ "amount_cents": 100 }),
+            )
+            .await,
+            api.patch(
+                "/orders/1",
+                &headers,
+                &json!({ "shipping_address": "Here" }),
+            )
+            .await,
+            api.get("/orders/1", &headers).await,
+        ];
+        for reply in replies {
+            reply.expect_problem(StatusCode::UNAUTHORIZED);
+            let challenge = reply.header("www-authenticate").unwrap_or_default();
+            assert!(challenge.starts_with("Bearer"), "#{i}: {reply:?}");
+            assert!(!reply.replayed());
+        }
+    }
+    assert_eq!(api.charges().await, 0, "nothing was charged");
+
+    // The longest tenant works, and so does the token alphabet (with trailing `=`).
+    for tenant in [longest.as_str(), "a-Z_0.9~+/=="] {
+        let authorization = format!("Bearer {tenant}");
+        let headers = [
+            ("idempotency-key", "tenant-key"),
+            ("authorization", authorization.as_str()),
+        ];
+        let reply = api.pay(&headers, 1, 100).await;
+        expect_new_payment(&reply, 1, 100);
+        let again = api.pay(&headers, 1, 100).await;
+        expect_replay_of(&again, &reply);
+        assert_eq!(
+            api.order(Some(tenant), 1).await,
+            order_json(1, 100, 1, None)
+        );
+    }
+    assert_eq!(api.charges().await, 2);
 }
