@@ -38,6 +38,9 @@ use tower_idempotency::{ClaimStrategy, IdempotencyLayer, IdempotentTx, PostgresS
 struct Counters {
     by_type: [AtomicUsize; 256],
     queries: std::sync::Mutex<Vec<String>>,
+    /// ErrorResponse messages from the server: each is an ERROR the server also writes to
+    /// its log (with the statement, by default).
+    errors: AtomicUsize,
 }
 
 impl Default for Counters {
@@ -45,6 +48,42 @@ impl Default for Counters {
         Self {
             by_type: std::array::from_fn(|_| AtomicUsize::new(0)),
             queries: std::sync::Mutex::default(),
+            errors: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// Splits the server-to-client byte stream into typed messages (the proxy's connections use
+/// no TLS, so the server never answers an encryption request with a bare byte) and counts
+/// its ErrorResponse (`E`) messages.
+#[derive(Default)]
+struct BackendParser {
+    header: Vec<u8>,
+    skip: usize,
+}
+
+impl BackendParser {
+    fn feed(&mut self, mut data: &[u8], counters: &Counters) {
+        while !data.is_empty() {
+            if self.skip > 0 {
+                let n = self.skip.min(data.len());
+                self.skip -= n;
+                data = &data[n..];
+                continue;
+            }
+            let n = (5 - self.header.len()).min(data.len());
+            self.header.extend_from_slice(&data[..n]);
+            data = &data[n..];
+            if self.header.len() < 5 {
+                continue;
+            }
+            let h = &self.header;
+            let len = u32::from_be_bytes([h[1], h[2], h[3], h[4]]);
+            if h[0] == b'E' {
+                counters.errors.fetch_add(1, Ordering::SeqCst);
+            }
+            self.skip = usize::try_from(len).unwrap() - 4;
+            self.header.clear();
         }
     }
 }
@@ -198,6 +237,11 @@ impl Proxy {
         }))
     }
 
+    /// How many errors the server answered so far.
+    fn errors(&self) -> usize {
+        self.counters.errors.load(Ordering::SeqCst)
+    }
+
     /// The texts of the simple Query messages seen so far, in order.
     fn queries(&self) -> Vec<String> {
         self.counters.queries.lock().unwrap().clone()
@@ -215,6 +259,7 @@ async fn forward(client: TcpStream, server: TcpStream, counters: Arc<Counters>) 
     server.set_nodelay(true).unwrap();
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
+    let down_counters = counters.clone();
     let up = async move {
         let mut parser = FrontendParser::default();
         let mut buf = vec![0u8; 16 * 1024];
@@ -228,7 +273,18 @@ async fn forward(client: TcpStream, server: TcpStream, counters: Arc<Counters>) 
             server_write.write_all(&buf[..n]).await?;
         }
     };
-    let down = tokio::io::copy(&mut server_read, &mut client_write);
+    let down = async move {
+        let mut parser = BackendParser::default();
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = server_read.read(&mut buf).await?;
+            if n == 0 {
+                return client_write.shutdown().await;
+            }
+            parser.feed(&buf[..n], &down_counters);
+            client_write.write_all(&buf[..n]).await?;
+        }
+    };
     let _ = tokio::join!(up, down);
 }
 
@@ -552,7 +608,11 @@ fn statements(queries: &[String]) -> Vec<String> {
         .map(|stmt| {
             let stmt = stmt.trim();
             if let Some(call) = stmt.strip_prefix("SELECT ") {
-                call.split('(').next().unwrap_or(call).to_owned()
+                match call.strip_prefix('\'') {
+                    // `SELECT 'step' AS step, …`: the transactional batches name their steps.
+                    Some(named) => named.split('\'').next().unwrap_or(named).to_owned(),
+                    None => call.split('(').next().unwrap_or(call).to_owned(),
+                }
             } else if let Some(insert) = stmt.strip_prefix("INSERT INTO ") {
                 format!("INSERT {}", insert.split(' ').next().unwrap_or(insert))
             } else {
@@ -565,15 +625,14 @@ fn statements(queries: &[String]) -> Vec<String> {
 /// Transactional mode, on the wire. What sqlx sends (observed): `BEGIN`, `COMMIT` and
 /// `ROLLBACK` are simple Query (`Q`) messages; every other statement is Bind + Execute (+ a
 /// Close of its portal) + Sync. The handler alone in its own transaction costs `BEGIN`,
-/// 1 Execute, `COMMIT`: three round trips. Behind the layer, the claim travels in the
-/// `BEGIN`'s message and the completion in the `COMMIT`'s, so the same handler costs the
-/// same three round trips, with two statements more inside the transaction and one commit.
-/// After the commit, the batch opens an empty transaction that sqlx rolls back as the
-/// connection returns to the pool (see `completion_batch` in src/transactional.rs); that
-/// `ROLLBACK` goes out together with sqlx's release check, after the answer. (Sync messages
-/// are not asserted: besides one per statement, sqlx sends a varying number of them to
-/// check pooled connections.) A replay costs the claim's message (which fails, leaving no
-/// transaction open) and one Execute (the read of the completed record).
+/// 1 Execute, `COMMIT`: three round trips. Behind the layer the claim is one simple Query
+/// message (the look in a read-only transaction of its own, then the request's `BEGIN`, the
+/// claim and a savepoint) and the completion another (the completion and `COMMIT`), so the
+/// same handler costs the same three round trips, with one commit. (Sync messages are not
+/// asserted: besides one per statement, sqlx sends a varying number of them to check pooled
+/// connections.) A replay costs the claim's message alone: the look returns the record; the
+/// transaction the message opened is rolled back after the answer. None of it makes the
+/// server raise an error (which it would log with the statement, key and all).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactional_mode_adds_two_statements_and_no_commit() {
     let schema = PgSchema::new().await;
@@ -593,6 +652,7 @@ async fn transactional_mode_adds_two_statements_and_no_commit() {
     send(&layered, &proxy, "/pay", "warm", "w").await;
     send(&layered, &proxy, "/pay", "warm", "w").await;
     settle(&pool).await;
+    let errors = proxy.errors();
 
     // The handler alone, in a transaction of its own.
     let (alone, alone_cost, alone_q) = send_logged(&plain, &proxy, &pool, "unused", "body").await;
@@ -605,50 +665,67 @@ async fn transactional_mode_adds_two_statements_and_no_commit() {
     let (first, cost, first_q) = send_logged(&layered, &proxy, &pool, "k1", "body").await;
     assert_eq!(first.status, 201, "{}", first.text());
     assert!(!first.replayed());
+    assert_eq!(first_q.len(), 2, "{first_q:?}");
     assert_eq!(
         statements(&first_q),
         [
-            "tower_idempotency_claim_in_tx",
-            "BEGIN",
-            "INSERT tower_idempotency_keys",
+            "BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY",
+            "look",
             "COMMIT",
             "BEGIN",
-            "ROLLBACK"
+            "claim",
+            "SAVEPOINT tower_idempotency_handler",
+            "tower_idempotency_complete_tx",
+            "COMMIT",
         ],
         "{first_q:?}"
     );
-    // The handler's transaction: the handler's own statement and two more, one commit.
+    // The handler's transaction: the handler's own statement, one commit.
     assert_eq!(cost.execute(), alone_cost.execute(), "{cost:?}");
-    let in_tx = statements(&first_q[..2]);
-    let commits = in_tx.iter().filter(|s| *s == "COMMIT").count();
-    assert_eq!(commits, 1, "one commit: {first_q:?}");
     // Round trips the request waits for: the claim's message, the handler's Execute and the
-    // completion's message, as many as the handler alone (BEGIN, Execute, COMMIT). The
-    // `ROLLBACK` of the empty transaction is the release's, sent after the answer.
+    // completion's message, as many as the handler alone (BEGIN, Execute, COMMIT).
     assert_eq!(
-        first_q.len() - 1 + cost.execute(),
+        first_q.len() + cost.execute(),
         alone_q.len() + alone_cost.execute()
     );
-    assert_eq!(first_q[2], "ROLLBACK");
     assert_eq!(cost.parse(), 0, "{cost:?}");
 
-    // A replay: the claim's message (it fails: the key has a record) and the read of the
-    // record; the handler does not run, and no transaction is left to roll back.
+    // A replay: the claim's message only, which finds the record; the handler does not run.
+    // The transaction the message opened is rolled back after the answer.
     let (again, replay_cost, replay_q) = send_logged(&layered, &proxy, &pool, "k1", "body").await;
     assert_eq!(again.status, 201);
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
     assert_eq!(
         statements(&replay_q),
-        ["tower_idempotency_claim_in_tx", "BEGIN"],
+        [
+            "BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY",
+            "look",
+            "COMMIT",
+            "BEGIN",
+            "claim",
+            "SAVEPOINT tower_idempotency_handler",
+            "ROLLBACK"
+        ],
         "transactional replay"
     );
     assert_eq!(
         replay_cost.execute(),
-        1,
+        0,
         "transactional replay: {replay_cost:?}"
     );
-    assert_eq!(replay_cost.parse(), 0, "{replay_cost:?}");
+
+    // The same key with another body: 422, and no statement failed either.
+    let (reused, _, _) = send_logged(&layered, &proxy, &pool, "k1", "other").await;
+    assert_eq!(reused.status, 422);
+    assert_eq!(
+        proxy.errors(),
+        errors,
+        "a new key, a replay and a mismatch raise no error on the server"
+    );
+    // The count sees an error when there is one.
+    assert!(sqlx::query("SELECT 1/0").execute(&pool).await.is_err());
+    assert_eq!(proxy.errors(), errors + 1);
 
     // Three payments in all: the warm-up's two and the two measured first requests; the
     // replays inserted nothing.
