@@ -219,7 +219,7 @@ pub use store::{ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, spaw
 #[cfg(feature = "postgres")]
 pub use store::{ClaimStrategy, PostgresStore};
 #[cfg(feature = "postgres")]
-pub use transactional::{IdempotentTx, Transactional, TxConn, TxFinished};
+pub use transactional::{IdempotentTx, IsolationLevel, Transactional, TxConn, TxFinished};
 
 pub mod problems {
     //! The problem types of the layer's own answers (RFC 9457 `type` URIs point here).
