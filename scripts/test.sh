@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the whole test suite, Postgres and RabbitMQ tests included.
+# Runs the whole test suite, Postgres and RabbitMQ tests included, the Postgres suites at
+# every default isolation level.
 #
 # The Postgres tests use DATABASE_URL (default: postgres://postgres@127.0.0.1:5432/postgres).
 # When that default server is not running, this script starts a throwaway PostgreSQL
@@ -130,3 +131,14 @@ ensure_rabbitmq
 
 cargo test --all-features --all-targets
 cargo test --all-features --doc
+
+# The Postgres suites once more at each stricter default isolation level: many payment
+# services set default_transaction_isolation to 'repeatable read' or 'serializable' (on the
+# role, the database or the connection), and the layer must keep its promise at each.
+# (tests/isolation.rs covers all three levels by itself.)
+for level in "repeatable read" "serializable"; do
+    echo "scripts/test.sh: the Postgres suites again at default_transaction_isolation = $level" >&2
+    TI_ISOLATION="$level" cargo test --all-features \
+        --test behaviour --test transactional --test postgres --test inbox --test model \
+        --test cancellation --test round_trips --test payments_e2e
+done

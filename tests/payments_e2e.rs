@@ -1145,7 +1145,7 @@ where
         .unwrap_or_else(|e| panic!("CREATE DATABASE {name} at {admin_url}: {e}"));
 
     // Run the scenario as a task, so that the database is dropped even when it panics.
-    let url = with_database(&admin_url, &name);
+    let url = support::with_isolation(with_database(&admin_url, &name));
     let outcome = tokio::spawn(scenario(url)).await;
 
     let dropped = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(

@@ -104,6 +104,18 @@ pub fn isolation() -> Option<&'static str> {
     })
 }
 
+/// `url` with the default isolation level of [`isolation`] added to its connection options,
+/// so that a program started on it runs at the level the test run asks for.
+pub fn with_isolation(mut url: String) -> String {
+    if let Some(level) = isolation() {
+        url.push(if url.contains('?') { '&' } else { '?' });
+        url.push_str("options=-c%20default_transaction_isolation%3D");
+        // A space inside a `-c` value is escaped with a backslash.
+        url.push_str(&level.replace(' ', "%5C%20"));
+    }
+    url
+}
+
 /// A name unique across test processes and threads.
 pub fn unique() -> String {
     static N: AtomicUsize = AtomicUsize::new(0);
@@ -333,7 +345,7 @@ impl PgDatabase {
             .unwrap();
         let base = database_url();
         let (head, _) = base.rsplit_once('/').unwrap();
-        let url = format!("{head}/{name}");
+        let url = with_isolation(format!("{head}/{name}"));
         PgDatabase { name, url, admin }
     }
 
