@@ -7,15 +7,43 @@
 //! handler ([`IdempotentTx`]), stores the answer in it and **commits before it answers**:
 //!
 //! - the client sees a success only if it was committed, together with the key;
-//! - a `5xx` answer, a handler error, a panic or a dropped request rolls everything back:
-//!   nothing is stored and a retry runs the handler again;
-//! - a failed commit gives the client `503` and nothing is stored;
+//! - a `5xx` answer, a handler error or a panic rolls everything back: nothing is stored and
+//!   a retry runs the handler again;
+//! - a failed commit gives the client `503` with `Retry-After` and nothing is stored (also
+//!   when the commit fails because the handler's own work conflicted with another
+//!   transaction under `SERIALIZABLE`);
+//! - a handler that answers after one of its statements failed (it caught a unique
+//!   violation and answered its own `409`, say) left the transaction *aborted*: none of its
+//!   writes can commit. The layer rolls them back to a savepoint it set before the handler
+//!   ran, stores the handler's answer with the key, commits that, and gives the client the
+//!   handler's answer; a retry replays it. (Roll back to a savepoint of your own to keep
+//!   the writes made before the failure.)
 //! - a concurrent duplicate gets `409` at once: the claim takes a transaction-scoped
 //!   advisory lock with `pg_try_advisory_xact_lock`, which never waits (also when its payload
 //!   differs: the first request's fingerprint is not visible before it commits, so the
 //!   `422` comes with the retry);
 //! - a process that dies mid-request leaves nothing behind: its connection drops, Postgres
 //!   rolls back and releases the lock, and the retry runs at once (no lease to wait for).
+//!
+//! # Isolation levels
+//!
+//! The request's transaction has the connection's default isolation level unless
+//! [`Transactional::with_isolation`] sets one. Every level keeps the guarantee — the handler
+//! runs once per key — because the claim never decides from a snapshot alone: under the key's
+//! lock it inserts the key's record, and the unique check of that insert sees every committed
+//! record; one committed after the transaction's snapshot (`REPEATABLE READ`,
+//! `SERIALIZABLE`) makes the claim start over, and the retry replays it. Under `SERIALIZABLE`
+//! the layer's own reads happen outside the request's transaction and its completion finds
+//! its record by row id, so the layer takes no predicate locks that would make requests with
+//! different keys fail each other.
+//!
+//! # Session settings
+//!
+//! Everything the layer writes into its statements is ASCII: keys are ASCII, scopes reach the
+//! store as a hex digest, answers as hex. Any other text is sent as hex and converted on the
+//! server. So a pooled connection that application code left in another `client_encoding`
+//! (SJIS, BIG5, GBK) or with `backslash_quote` or `standard_conforming_strings` changed cannot
+//! change what a statement means.
 //!
 //! ```no_run
 //! use axum::{Router, routing::post};
@@ -47,11 +75,18 @@
 //! A new key costs the same round trips as the handler's own transaction would: the claim
 //! travels in one message with `BEGIN` and the completion in one message with `COMMIT`
 //! (simple-query batches; the key, the scope and the answer are written into them as
-//! escaped string and hex constants). A replay costs two: the claim, which finds the record
-//! and ends, and the read of the record. After the commit, the completion's batch opens an
-//! empty transaction that sqlx rolls back as the connection returns to the pool (it keeps
-//! sqlx's count of open transactions true; see `completion_batch` in the source). The claim
-//! is the function `tower_idempotency_claim_in_tx` that [`PostgresStore::migrate`] creates.
+//! escaped string and hex constants). A replay costs one: the claim's message, whose first
+//! look returns the record; the transaction it opened is rolled back after the answer.
+//! Replays, in-flight keys and mismatches make the server raise no error, so they leave
+//! nothing in its log. The claim and the completion are the functions
+//! `tower_idempotency_claim_tx` and `tower_idempotency_complete_tx` that
+//! [`PostgresStore::migrate`] creates (migration 5).
+//!
+//! The layer runs the transaction with its own `BEGIN` and `COMMIT` on a pooled connection;
+//! should the request be dropped with the transaction open (a panic), the connection is
+//! closed rather than returned to the pool, and Postgres rolls the transaction back. A
+//! plain-mode request on the same table that claims a key while a transactional request
+//! holds it waits for that transaction, then sees its outcome.
 //!
 //! Each keyed request holds one pooled connection for as long as its handler runs: size the
 //! pool for the concurrency of your idempotent routes. Work that leaves the database (a call to
