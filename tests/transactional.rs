@@ -406,6 +406,34 @@ async fn an_expired_record_is_replaced() {
     fx.cleanup().await;
 }
 
+/// A handler slower than the TTL: the record lives the TTL from the completion (the
+/// statement's time, not the transaction's start), so a retry right after the answer replays
+/// it instead of charging again; a duplicate while it runs is `409`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_slower_than_the_ttl_leaves_a_record_that_lives_the_ttl() {
+    let fx = Fx::new().await;
+    let app = fx.app_with(|layer| layer.with_ttl(Duration::from_millis(800)));
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { app(req("POST", "/slow", Some("k"), "b")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    app(req("POST", "/slow", Some("k"), "b"))
+        .await
+        .assert_problem(409, "request-in-progress");
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "{}", first.text());
+    let again = app(req("POST", "/slow", Some("k"), "b")).await;
+    assert!(
+        again.replayed(),
+        "a retry right after the answer: {}",
+        again.text()
+    );
+    assert_eq!(again.body, first.body);
+    assert_eq!((fx.payments().await, fx.keys().await), (1, 1));
+    fx.cleanup().await;
+}
+
 /// A plain-mode request on the same table that claims the key while the transactional
 /// request's handler runs waits for that transaction (its record is not committed yet), then
 /// sees the completed record: one payment, and the plain-mode claim gets the transactional
