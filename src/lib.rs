@@ -8,6 +8,12 @@
 //! use axum::{Extension, Router, routing::post};
 //! use tower_idempotency::{IdempotencyKey, IdempotencyLayer, MemoryStore};
 //!
+//! /// Who is calling: inserted into the request's extensions by your authentication layer.
+//! #[derive(Clone)]
+//! struct Principal {
+//!     account_id: String,
+//! }
+//!
 //! async fn create_payment(
 //!     Extension(key): Extension<IdempotencyKey>, // or `key: IdempotencyKey`, feature "axum"
 //!     body: String,
@@ -22,14 +28,20 @@
 //!     .route("/payments", post(create_payment))
 //!     .layer(
 //!         IdempotencyLayer::new(MemoryStore::new())
-//!             // Scope keys per tenant, so no client can replay another's answer.
-//!             .with_scope(|req| {
-//!                 req.headers.get("authorization")?.to_str().ok().map(str::to_owned)
-//!             }),
+//!             // Keys belong to the authenticated account, so no client can replay another's
+//!             // answer. Never scope on a raw credential such as the Authorization header.
+//!             .with_scope(|req| req.extensions.get::<Principal>().map(|p| p.account_id.clone()))
+//!             // No principal: `401`, instead of one key space shared by all such requests.
+//!             .with_scope_required(true),
 //!     );
+//! // .layer(your_authentication_layer): added after, so it runs first and sets `Principal`.
 //! # use tower::ServiceExt;
-//! # let req = || http::Request::post("/payments")
-//! #     .header("idempotency-key", "k1").body(axum::body::Body::from("x")).unwrap();
+//! # let req = || {
+//! #     let mut req = http::Request::post("/payments")
+//! #         .header("idempotency-key", "k1").body(axum::body::Body::from("x")).unwrap();
+//! #     req.extensions_mut().insert(Principal { account_id: "acct_1".into() });
+//! #     req
+//! # };
 //! # let first = app.clone().oneshot(req()).await.unwrap();
 //! # assert_eq!(first.status(), 201);
 //! # let again = app.oneshot(req()).await.unwrap();
@@ -135,7 +147,8 @@
 //! | [`with_header`](IdempotencyLayer::with_header) / [`with_key_from`](IdempotencyLayer::with_key_from) | `Idempotency-Key` |
 //! | [`with_methods`](IdempotencyLayer::with_methods) | `POST`, `PATCH` |
 //! | [`with_key_required`](IdempotencyLayer::with_key_required) | `true` |
-//! | [`with_scope`](IdempotencyLayer::with_scope) | none (one shared scope) |
+//! | [`with_scope`](IdempotencyLayer::with_scope) | none (one shared scope, with a warning; [`with_shared_scope`](IdempotencyLayer::with_shared_scope) says it is intended) |
+//! | [`with_scope_required`](IdempotencyLayer::with_scope_required) | `false` |
 //! | [`with_lease`](IdempotencyLayer::with_lease) | 30 s |
 //! | [`with_ttl`](IdempotencyLayer::with_ttl) | 24 h |
 //! | [`with_max_request_body`](IdempotencyLayer::with_max_request_body) | 1 MiB |
@@ -165,8 +178,17 @@
 //! - **Always set a scope.** Without [`with_scope`](IdempotencyLayer::with_scope) all
 //!   clients share one key space: a client that learns or guesses another's key gets that
 //!   client's stored answer (which may hold personal or payment data), and can block another
-//!   client's request with `409`/`422`. Derive the scope from the authenticated principal
-//!   (never from a header the client can set freely) and authenticate before this layer.
+//!   client's request with `409`/`422`. A layer without a scope logs a `WARN` when it is
+//!   applied, unless [`with_shared_scope`](IdempotencyLayer::with_shared_scope) says so.
+//! - **Scope on the authenticated principal**: the account or tenant your authentication
+//!   layer established and put into the request's extensions. Authenticate before this
+//!   layer. Never scope on a header the client sets freely, nor on a raw credential (the
+//!   `Authorization` header, an API token): a refreshed token would make a retry a new
+//!   request, and a weak credential could be guessed back from its digest.
+//!   [`with_scope_required(true)`](IdempotencyLayer::with_scope_required) answers `401` to a
+//!   keyed request without a principal instead of putting it in the shared scope.
+//! - Stores keep a fixed-size [`scope_digest`] (SHA-256, 64 hex characters), never the scope
+//!   itself: a scope of any length fits, and the store does not hold what it was made of.
 //! - Keys should be unguessable (a UUIDv4 or 128 random bits); the layer cannot enforce it.
 //! - Stored answers are kept for the TTL in the store: protect the store like the data
 //!   itself, and keep the TTL no longer than clients retry.
@@ -209,7 +231,7 @@ pub use extract::MissingIdempotencyKey;
 pub use extract::MissingIdempotentTx;
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer};
+pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, scope_digest};
 pub use mode::Mode;
 pub use rejection::Rejection;
 pub use response::{IDEMPOTENT_REPLAYED, StoredResponse};
@@ -254,6 +276,11 @@ pub mod problems {
     //! ## store-unavailable
     //! `503` with `Retry-After`: the idempotency store failed; the request was not processed
     //! and is safe to retry with the same key.
+    //!
+    //! ## missing-scope
+    //! `401`: the layer requires a scope (the authenticated principal; see
+    //! [`with_scope_required`](crate::IdempotencyLayer::with_scope_required)) and the request
+    //! has none. The request was not processed; authenticate and retry with the same key.
 }
 
 /// The README's examples, compiled as doc tests.

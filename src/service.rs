@@ -200,7 +200,7 @@ pub(crate) enum Outcome {
     Mismatch,
     /// Answered 503: the store failed before the handler ran.
     StoreError,
-    /// Answered 400 or 413 before the store was asked.
+    /// Answered 400, 401 or 413 before the store was asked.
     Rejected,
 }
 
@@ -302,8 +302,8 @@ where
     })
 }
 
-/// [`prepare`] for a request whose head stays with the caller: derives the scope, reads the
-/// body and fingerprints the request.
+/// [`prepare`] for a request whose head stays with the caller: derives the scope (as stores
+/// see it: its digest), reads the body and fingerprints the request.
 pub(crate) async fn read_request<ReqBody, ResBody>(
     config: &Config,
     parts: &Parts,
@@ -314,11 +314,10 @@ where
     ReqBody::Error: Into<BoxError>,
     ResBody: Body,
 {
-    let scope = config
-        .scope
-        .as_ref()
-        .and_then(|f| f(parts))
-        .unwrap_or_default();
+    let scope = config.scope_of(parts).map_err(|rejection| {
+        record(Outcome::Rejected);
+        render(config, &rejection)
+    })?;
     let mut fingerprinter = Fingerprinter::new(parts, &config.fingerprint_headers);
     match read_body(body, &mut fingerprinter, config.max_request_body).await {
         Ok(buffered) => Ok((scope, fingerprinter.finish(), buffered)),
