@@ -1234,7 +1234,8 @@ async fn assert_written_with_key(
     binds: &[&str],
 ) -> String {
     // Stores keep the digest of a scope, not its text.
-    let key_tx = xmin(db, KEY_XMIN, &[&tower_idempotency::scope_digest(scope), key]).await;
+    let digest = tower_idempotency::scope_digest(scope);
+    let key_tx = xmin(db, KEY_XMIN, &[&digest, key]).await;
     let row_tx = xmin(db, row_sql, binds).await;
     assert_eq!(
         row_tx, key_tx,

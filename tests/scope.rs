@@ -41,10 +41,13 @@ async fn assert_scopes_are_digests(pool: &PgPool, raw: &str, records: usize) {
     for (scope,) in scopes {
         assert_eq!(scope.len(), 64, "the scope is stored as it is");
         assert!(
-            scope.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+            scope
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
             "{scope}"
         );
         assert!(!scope.contains("tenant") && !raw.contains(&scope));
+        assert_eq!(scope, tower_idempotency::scope_digest(raw));
     }
 }
 
@@ -63,7 +66,12 @@ async fn a_3000_character_scope_works_in_plain_postgres_mode() {
     )
     .await;
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
-    let again = read(svc.oneshot(req("POST", "/pay", Some("k"), "b")).await.unwrap()).await;
+    let again = read(
+        svc.oneshot(req("POST", "/pay", Some("k"), "b"))
+            .await
+            .unwrap(),
+    )
+    .await;
     assert!(again.replayed(), "{} {}", again.status, again.text());
     assert_eq!(again.body, first.body);
     assert_eq!(calls.get("/pay"), 1);
@@ -194,9 +202,14 @@ async fn a_request_without_a_scope_is_401_when_a_scope_is_required() {
     let unscoped = IdempotencyLayer::new(MemoryStore::new())
         .with_scope_required(true)
         .layer(support::handler(calls.clone()));
-    read(unscoped.oneshot(req("POST", "/pay", Some("k"), "b")).await.unwrap())
-        .await
-        .assert_problem(401, "missing-scope");
+    read(
+        unscoped
+            .oneshot(req("POST", "/pay", Some("k"), "b"))
+            .await
+            .unwrap(),
+    )
+    .await
+    .assert_problem(401, "missing-scope");
     assert_eq!(calls.get("/pay"), 2, "the keyed POST and the GET");
 }
 
@@ -209,6 +222,9 @@ fn the_scope_digest_is_fixed_size_hex() {
     assert_eq!(d.len(), 64);
     assert_eq!(d, scope_digest("account-1"));
     assert_ne!(d, scope_digest("account-2"));
-    assert!(d.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+    assert!(
+        d.bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    );
     assert_eq!(scope_digest(&long_scope()).len(), 64);
 }
