@@ -42,6 +42,7 @@ pub(crate) struct Config {
     pub(crate) scope: Option<Arc<ScopeFn>>,
     pub(crate) scope_required: bool,
     pub(crate) shared_scope: bool,
+    pub(crate) cancel_on_disconnect: bool,
     pub(crate) rejection: Option<Arc<RejectionFn>>,
 }
 
@@ -61,6 +62,7 @@ impl Default for Config {
             scope: None,
             scope_required: false,
             shared_scope: false,
+            cancel_on_disconnect: false,
             rejection: None,
         }
     }
@@ -111,6 +113,7 @@ impl fmt::Debug for Config {
             .field("scope", &self.scope.is_some())
             .field("scope_required", &self.scope_required)
             .field("shared_scope", &self.shared_scope)
+            .field("cancel_on_disconnect", &self.cancel_on_disconnect)
             .field("rejection", &self.rejection.is_some())
             .finish()
     }
@@ -241,9 +244,15 @@ impl<St> IdempotencyLayer<St> {
 
     /// How long a claim holds a key before another request may take it over (default 30 s).
     ///
-    /// While the handler runs, the layer renews the lease every third of it, so a slow handler
-    /// is never taken over while its process is alive; the lease only runs out when the
-    /// process dies or loses the store. Choose it longer than a renewal can take.
+    /// While the handler runs, the layer renews the lease every third of it (plain mode;
+    /// transactional mode holds the key with its transaction instead), so a slow handler is
+    /// not taken over while its process is alive and reaches the store. A lease runs out
+    /// under a running handler only when no renewal succeeds for about two thirds of it: the
+    /// store cannot be reached, or answers slower than a third of the lease, or the process
+    /// (or the thread polling the request) stalls that long. Then another request may take
+    /// the key over; the handler learns it from the [`Lease`](crate::Lease) in its request's
+    /// extensions, and its answer is not stored over the new owner's. Choose the lease much
+    /// longer than a renewal can take.
     pub fn with_lease(self, lease: Duration) -> Self {
         self.with(|c| c.lease = lease.max(Duration::from_millis(10)))
     }
@@ -368,7 +377,31 @@ impl<St> IdempotencyLayer<St> {
         })
     }
 
-    /// Renders the layer's own answers (400, 409, 413, 422, 503) differently. The default
+    /// Whether dropping a keyed request's response future (the client disconnected, a
+    /// timeout layer outside this one gave up) cancels its handler (default `false`).
+    ///
+    /// By default a keyed request runs in a Tokio task of its own (`tokio::spawn`) and the
+    /// response future waits for it, so once its key is claimed the handler **runs to its
+    /// end** even if the client is gone, and its answer is stored (in transactional mode:
+    /// committed). A retry meanwhile gets `409`, and after it the stored answer: a handler is
+    /// never cut at an arbitrary `.await` and run again from the start. A panic in the handler
+    /// still releases the key and resumes in the response future. The task costs one spawn
+    /// per keyed request; Tokio task-locals of outer layers are not visible inside it (the
+    /// tracing span is carried over). Outside a Tokio runtime the request runs inline.
+    ///
+    /// With `true`, the request runs inline in the response future, as plain Tower
+    /// middleware does: dropping it drops the handler wherever it waits. In plain mode the
+    /// key is then released (in the background), so a retry runs the handler again from the
+    /// start; in transactional mode the transaction rolls back. In plain mode a request
+    /// dropped after its handler answered still has its answer read and stored (in a task),
+    /// but one dropped while its claim is on the way back leaves the key to its lease: a
+    /// retry gets `409` until the lease runs out. Choose it for handlers that are safe to cut
+    /// at any `.await` and expensive to finish for nobody.
+    pub fn with_cancel_on_disconnect(self, cancel: bool) -> Self {
+        self.with(|c| c.cancel_on_disconnect = cancel)
+    }
+
+    /// Renders the layer's own answers (400, 401, 409, 413, 422, 503) differently. The default
     /// is [`Rejection::to_response`].
     pub fn with_rejection_handler<F>(self, render: F) -> Self
     where

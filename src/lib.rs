@@ -65,20 +65,29 @@
 //! |---|---|
 //! | absent, or expired (older than the TTL) | the key is claimed *in progress* under a lease; the handler runs |
 //! | in progress, lease running | `409 Conflict` with `Retry-After`; handler not run |
-//! | in progress, lease ran out (its process died) | taken over with a new fencing token; the handler runs |
+//! | in progress, lease ran out (its process died, or could not renew it) | taken over with a new fencing token; the handler runs |
 //! | completed | the stored status, headers and body replayed with `Idempotent-Replayed: true`; handler not run |
 //! | any, with another fingerprint | `422 Unprocessable Content`; handler not run; record unchanged |
 //!
 //! When the handler answers, the layer stores its answer (2xx, 3xx and 4xx; 5xx only with
 //! [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors)) and the key
-//! becomes *completed* for the TTL. A `5xx`, a handler error, a panic or a request future
-//! dropped while the handler runs (the client went away) **releases** the key, so a retry
-//! runs the handler again. Once the handler has answered, its answer is stored by a task of
-//! its own, even if the client is gone by then.
-//! While the handler runs, the layer renews the lease every third of it; a lease only runs
-//! out when the process running the handler dies. Completing and releasing need the claim's
-//! fencing token, so a request whose key was taken over can never overwrite the new owner's
-//! result.
+//! becomes *completed* for the TTL. A `5xx`, a handler error or a panic **releases** the key,
+//! so a retry runs the handler again (the panic goes on in the response future).
+//!
+//! A keyed request runs in a Tokio task of its own: once its key is claimed, the handler
+//! **runs to its end even if the client goes away** (the response future is dropped), and
+//! its answer is stored (in transactional mode, committed); a retry meanwhile gets `409`,
+//! and after it the stored answer. So a handler is never cut at an arbitrary `.await` and
+//! then run again from the start.
+//! [`with_cancel_on_disconnect(true)`](IdempotencyLayer::with_cancel_on_disconnect) runs the
+//! request inline instead: a dropped request cuts the handler and releases the key.
+//!
+//! While the handler runs, the layer renews the lease every third of it. A lease runs out
+//! under a live process only when no renewal succeeds for about two thirds of it (the store
+//! unreachable or slower than a third of the lease, or the process stalled); the handler
+//! then finds its [`Lease`] lost (in its request's extensions) and may stop. Completing and
+//! releasing need the claim's fencing token, so a request whose key was taken over can never
+//! overwrite the new owner's result.
 //!
 //! | request | answer |
 //! |---|---|
@@ -156,6 +165,7 @@
 //! | [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors) | `false` |
 //! | [`with_replayed_set_cookie`](IdempotencyLayer::with_replayed_set_cookie) | `false` |
 //! | [`with_fingerprint_headers`](IdempotencyLayer::with_fingerprint_headers) | none |
+//! | [`with_cancel_on_disconnect`](IdempotencyLayer::with_cancel_on_disconnect) | `false`: a started handler runs to its end |
 //! | [`with_rejection_handler`](IdempotencyLayer::with_rejection_handler) | problem+json |
 //!
 //! # Layer ordering
@@ -171,7 +181,9 @@
 //!
 //! The layer inserts the [`IdempotencyKey`] into the request's extensions; with the `axum`
 //! feature it is also an extractor (`IdempotencyKey`, or `Option<IdempotencyKey>`). Use
-//! [`IdempotencyKey::derive`] to pass a key on to a payment provider: `<key>:charge`.
+//! [`IdempotencyKey::derive`] to pass a key on to a payment provider: `<key>:charge`. In
+//! plain mode the extensions also hold the request's [`Lease`], which says whether another
+//! request may have taken the key over.
 //!
 //! # Security
 //!
@@ -233,6 +245,7 @@ pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, scope_digest};
 pub use mode::Mode;
+pub use plain::Lease;
 pub use rejection::Rejection;
 pub use response::{IDEMPOTENT_REPLAYED, StoredResponse};
 pub use service::Idempotency;

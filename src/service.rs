@@ -126,6 +126,20 @@ where
             key,
         };
         let run = Sealed::execute(self.store.clone(), keyed, inner, req);
+        // By default the request runs in a task of its own, which a dropped response future
+        // (the client went away) does not cancel: a handler, once started, runs to its end.
+        if !self.config.cancel_on_disconnect
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            // The task keeps the span of the caller (an outer trace layer's), as polling in
+            // place would.
+            let span = if span.is_disabled() {
+                tracing::Span::current()
+            } else {
+                span
+            };
+            return ResponseFuture::spawned(runtime.spawn(run.instrument(span)));
+        }
         if span.is_disabled() {
             ResponseFuture::keyed(Box::pin(run))
         } else {

@@ -7,8 +7,10 @@
 //! handler ([`IdempotentTx`]), stores the answer in it and **commits before it answers**:
 //!
 //! - the client sees a success only if it was committed, together with the key;
-//! - a `5xx` answer, a handler error, a panic or a dropped request rolls everything back:
-//!   nothing is stored and a retry runs the handler again;
+//! - a `5xx` answer, a handler error or a panic rolls everything back: nothing is stored and
+//!   a retry runs the handler again (a request whose client went away still runs to its end
+//!   and commits, unless
+//!   [`with_cancel_on_disconnect`](crate::IdempotencyLayer::with_cancel_on_disconnect));
 //! - a failed commit gives the client `503` and nothing is stored;
 //! - a concurrent duplicate gets `409` at once: the claim takes a transaction-scoped
 //!   advisory lock with `pg_try_advisory_xact_lock`, which never waits (also when its payload
