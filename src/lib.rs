@@ -95,6 +95,7 @@
 //! | key empty, over 255 characters, not visible ASCII, or badly quoted | `400` |
 //! | key as a quoted string (`"abc"`) or bare (`abc`) | accepted; the same key |
 //! | the key header more than once | `400` |
+//! | a key, but no scope, with [`with_scope_required(true)`](IdempotencyLayer::with_scope_required) | `401`; handler not run, nothing stored |
 //! | body over the limit (default 1 MiB) | `413`; nothing stored |
 //! | store unreachable | `503` with `Retry-After: 1`; handler not run (fail closed) |
 //! | method not covered (`GET`, `HEAD`, `OPTIONS`, `PUT`, `DELETE` by default) | passed through untouched: no allocation, no store access |
