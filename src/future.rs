@@ -6,9 +6,11 @@ use std::ops::ControlFlow;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use http::Response;
+use bytes::Bytes;
+use http::{Response, StatusCode};
 use http_body::Body;
 use pin_project_lite::pin_project;
+use tokio::task::JoinHandle;
 
 use crate::body::ResponseBody;
 
@@ -19,8 +21,11 @@ pin_project! {
     /// Response future for [`Idempotency`](crate::Idempotency).
     ///
     /// Requests the layer does not cover, and requests it rejects before touching the store
-    /// (no key, a malformed key), are served without allocating; keyed requests run in one
-    /// boxed future.
+    /// (no key, a malformed key), are served without allocating. Keyed requests run in a
+    /// Tokio task of their own, which this future waits for (dropping it does not cancel the
+    /// task), or, with
+    /// [`with_cancel_on_disconnect(true)`](crate::IdempotencyLayer::with_cancel_on_disconnect)
+    /// or outside a Tokio runtime, in one boxed future.
     pub struct ResponseFuture<F, B: Body, E> {
         #[pin]
         kind: Kind<F, B, E>,
@@ -32,6 +37,7 @@ pin_project! {
     enum Kind<F, B: Body, E> {
         Passthrough { #[pin] future: F },
         Keyed { future: BoxResponseFuture<B, E> },
+        Spawned { task: JoinHandle<Result<Response<ResponseBody<B>>, E>> },
         Ready { response: Option<Response<ResponseBody<B>>> },
     }
 }
@@ -49,6 +55,12 @@ impl<F, B: Body, E> ResponseFuture<F, B, E> {
         }
     }
 
+    pub(crate) fn spawned(task: JoinHandle<Result<Response<ResponseBody<B>>, E>>) -> Self {
+        Self {
+            kind: Kind::Spawned { task },
+        }
+    }
+
     pub(crate) fn ready(response: Response<ResponseBody<B>>) -> Self {
         Self {
             kind: Kind::Ready {
@@ -63,6 +75,7 @@ impl<F, B: Body, E> fmt::Debug for ResponseFuture<F, B, E> {
         let kind = match &self.kind {
             Kind::Passthrough { .. } => "Passthrough",
             Kind::Keyed { .. } => "Keyed",
+            Kind::Spawned { .. } => "Spawned",
             Kind::Ready { .. } => "Ready",
         };
         f.debug_struct("ResponseFuture")
@@ -85,6 +98,22 @@ where
                 Poll::Ready(Ok(res.map(ResponseBody::inner)))
             }
             KindProj::Keyed { future } => future.as_mut().poll(cx),
+            KindProj::Spawned { task } => match ready!(Pin::new(task).poll(cx)) {
+                Ok(output) => Poll::Ready(output),
+                // The handler panicked (its key was released as the task unwound): the panic
+                // goes on here, as if the handler had run in this future.
+                Err(err) if err.is_panic() => std::panic::resume_unwind(err.into_panic()),
+                // Cancelled: the runtime is shutting down.
+                Err(err) => {
+                    tracing::error!(
+                        error = &err as &dyn std::error::Error,
+                        "idempotent request's task was cancelled"
+                    );
+                    let mut res = Response::new(ResponseBody::full(Bytes::new()));
+                    *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                    Poll::Ready(Ok(res))
+                }
+            },
             KindProj::Ready { response } => {
                 // Polling a future after it returned Ready is a caller bug; every Tower and
                 // hyper driver stops at the first Ready.

@@ -2,10 +2,12 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, Method, Response, request::Parts};
+use sha2::{Digest, Sha256};
 use tower_layer::Layer;
 
 use crate::rejection::Rejection;
@@ -38,6 +40,9 @@ pub(crate) struct Config {
     pub(crate) keep_set_cookie: bool,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) scope: Option<Arc<ScopeFn>>,
+    pub(crate) scope_required: bool,
+    pub(crate) shared_scope: bool,
+    pub(crate) cancel_on_disconnect: bool,
     pub(crate) rejection: Option<Arc<RejectionFn>>,
 }
 
@@ -55,6 +60,9 @@ impl Default for Config {
             keep_set_cookie: false,
             fingerprint_headers: Vec::new(),
             scope: None,
+            scope_required: false,
+            shared_scope: false,
+            cancel_on_disconnect: false,
             rejection: None,
         }
     }
@@ -63,6 +71,16 @@ impl Default for Config {
 impl Config {
     pub(crate) fn covers(&self, method: &Method) -> bool {
         self.methods.iter().any(|m| m == method)
+    }
+
+    /// The scope of a request as stores see it: `""` (the shared scope), or the digest of
+    /// what the scope function returned. `Err` when a scope is required and there is none.
+    pub(crate) fn scope_of(&self, parts: &Parts) -> Result<String, Rejection> {
+        match self.scope.as_ref().and_then(|f| f(parts)) {
+            Some(scope) if !scope.is_empty() => Ok(scope_digest(&scope)),
+            _ if self.scope_required => Err(Rejection::MissingScope),
+            _ => Ok(String::new()),
+        }
     }
 
     pub(crate) fn reject(&self, rejection: &Rejection) -> Response<Bytes> {
@@ -93,6 +111,9 @@ impl fmt::Debug for Config {
             .field("keep_set_cookie", &self.keep_set_cookie)
             .field("fingerprint_headers", &self.fingerprint_headers)
             .field("scope", &self.scope.is_some())
+            .field("scope_required", &self.scope_required)
+            .field("shared_scope", &self.shared_scope)
+            .field("cancel_on_disconnect", &self.cancel_on_disconnect)
             .field("rejection", &self.rejection.is_some())
             .finish()
     }
@@ -105,11 +126,15 @@ impl fmt::Debug for Config {
 /// use std::time::Duration;
 /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
 ///
+/// /// The authenticated account, inserted into the request's extensions by the
+/// /// authentication layer (which runs before this one).
+/// #[derive(Clone)]
+/// struct Account { id: String }
+///
 /// let layer = IdempotencyLayer::new(MemoryStore::new())
-///     // Keys are per tenant: no client can replay another's answer.
-///     .with_scope(|parts| {
-///         parts.headers.get("x-tenant-id")?.to_str().ok().map(str::to_owned)
-///     })
+///     // Keys are per account: no client can replay another's answer.
+///     .with_scope(|parts| parts.extensions.get::<Account>().map(|a| a.id.clone()))
+///     .with_scope_required(true)
 ///     .with_ttl(Duration::from_secs(24 * 3600))
 ///     .with_lease(Duration::from_secs(30));
 /// # let _ = layer;
@@ -120,6 +145,38 @@ impl fmt::Debug for Config {
 pub struct IdempotencyLayer<St> {
     store: St,
     config: Arc<Config>,
+    /// Whether this layer warned that it has no scope (once per layer, not per service).
+    warned: Arc<AtomicBool>,
+}
+
+/// The scope of a key as stores keep it: `""` for the shared scope (an empty `scope`),
+/// otherwise the lowercase hex SHA-256 of `scope` behind a domain-separating prefix, 64 ASCII
+/// characters.
+///
+/// The layer hands stores this digest, never the text its scope function returned, so a
+/// scope of any length fits a store's index and the store never holds what the scope was
+/// made of. Use it to find a scope's records in a store, e.g. in the `scope` column of
+/// Postgres's `tower_idempotency_keys`.
+///
+/// ```
+/// let digest = tower_idempotency::scope_digest("account-42");
+/// assert_eq!(digest.len(), 64);
+/// assert_eq!(tower_idempotency::scope_digest(""), "");
+/// ```
+pub fn scope_digest(scope: &str) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    if scope.is_empty() {
+        return String::new();
+    }
+    let mut hash = Sha256::new();
+    hash.update(b"tower-idempotency scope\0");
+    hash.update(scope.as_bytes());
+    let mut hex = String::with_capacity(64);
+    for b in hash.finalize() {
+        hex.push(char::from(HEX[usize::from(b >> 4)]));
+        hex.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+    hex
 }
 
 impl<St> IdempotencyLayer<St> {
@@ -128,6 +185,7 @@ impl<St> IdempotencyLayer<St> {
         Self {
             store,
             config: Arc::new(Config::default()),
+            warned: Arc::default(),
         }
     }
 
@@ -138,6 +196,8 @@ impl<St> IdempotencyLayer<St> {
 
     fn with(mut self, f: impl FnOnce(&mut Config)) -> Self {
         f(Arc::make_mut(&mut self.config));
+        // Another configuration: it warns on its own.
+        self.warned = Arc::default();
         self
     }
 
@@ -185,9 +245,15 @@ impl<St> IdempotencyLayer<St> {
 
     /// How long a claim holds a key before another request may take it over (default 30 s).
     ///
-    /// While the handler runs, the layer renews the lease every third of it, so a slow handler
-    /// is never taken over while its process is alive; the lease only runs out when the
-    /// process dies or loses the store. Choose it longer than a renewal can take.
+    /// While the handler runs, the layer renews the lease every third of it (plain mode;
+    /// transactional mode holds the key with its transaction instead), so a slow handler is
+    /// not taken over while its process is alive and reaches the store. A lease runs out
+    /// under a running handler only when no renewal succeeds for about two thirds of it: the
+    /// store cannot be reached, or answers slower than a third of the lease, or the process
+    /// (or the thread polling the request) stalls that long. Then another request may take
+    /// the key over; the handler learns it from the [`Lease`](crate::Lease) in its request's
+    /// extensions, and its answer is not stored over the new owner's. Choose the lease much
+    /// longer than a renewal can take.
     ///
     /// A key in progress is kept for as long as its lease holds, even when that is longer
     /// than the [TTL](Self::with_ttl).
@@ -241,11 +307,42 @@ impl<St> IdempotencyLayer<St> {
         self.with(|c| c.fingerprint_headers = headers.into_iter().collect())
     }
 
-    /// Derives the scope of a request's key: the tenant, API key or authenticated principal.
+    /// Derives the scope of a request's key from the **authenticated principal**: the account,
+    /// tenant or user that your authentication layer (outside this one) established, as it
+    /// put it into the request's extensions.
     ///
     /// Records are stored per (scope, key), so two clients that send the same key never see
     /// each other's answers. `None` (and the default, no scope function) is the shared scope,
-    /// the same as `Some("")`. See the Security section of the crate docs: set this.
+    /// the same as `Some("")`; [`with_scope_required`](Self::with_scope_required) rejects such
+    /// requests instead.
+    ///
+    /// Stores never see the scope itself but its [`scope_digest`]: 64 hex characters (the
+    /// shared scope stays `""`). So a scope of any length works, and nothing of it is kept in
+    /// the store in plain text.
+    ///
+    /// Scope on a stable identifier of the principal, **never on a raw credential** (the
+    /// `Authorization` header, an API token, a session cookie): a credential changes when it
+    /// is refreshed, and a retry with the new one would find a new scope and run the handler
+    /// again; and the digest of a weak credential can be guessed back. See the Security
+    /// section of the crate docs.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// /// Set by your authentication layer, which runs before this one.
+    /// #[derive(Clone)]
+    /// struct Principal { account_id: u64 }
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_scope(|parts| {
+    ///         let principal = parts.extensions.get::<Principal>()?;
+    ///         Some(format!("account:{}", principal.account_id))
+    ///     })
+    ///     // No principal (a route your authentication let through): `401`, not the
+    ///     // shared scope.
+    ///     .with_scope_required(true);
+    /// # let _ = layer;
+    /// ```
     pub fn with_scope<F>(self, scope: F) -> Self
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
@@ -253,7 +350,67 @@ impl<St> IdempotencyLayer<St> {
         self.with(|c| c.scope = Some(Arc::new(scope)))
     }
 
-    /// Renders the layer's own answers (400, 409, 413, 422, 503) differently. The default
+    /// Whether a keyed request without a scope is rejected (default `false`: it uses the
+    /// shared scope).
+    ///
+    /// With `true`, a covered request with a key whose scope function returns `None` or an
+    /// empty scope (or any keyed request, when no scope function is set) is answered
+    /// `401 Unauthorized` with a problem document of type
+    /// [`missing-scope`](crate::problems#missing-scope) ([`Rejection::MissingScope`]),
+    /// before its body is read or the store is asked. The scope is the authenticated
+    /// principal, so a request without one is not authenticated, which a client fixes by
+    /// authenticating: `401`, rather than `400` (nothing in the request itself is malformed)
+    /// or `403` (no principal was refused). Your authentication layer normally rejects such
+    /// requests first; this keeps a route it lets through by mistake from sharing one key
+    /// space among all its clients. The layer does not know your authentication scheme, so
+    /// its `401` carries no `WWW-Authenticate` challenge: add one with
+    /// [`with_rejection_handler`](Self::with_rejection_handler) where clients expect it.
+    pub fn with_scope_required(self, required: bool) -> Self {
+        self.with(|c| c.scope_required = required)
+    }
+
+    /// Says explicitly that all clients share one key space: no scope function, and no
+    /// warning about it.
+    ///
+    /// A layer without a scope logs a `WARN` event when it is first applied to a service
+    /// (once per layer), since a shared key space lets a client that learns another's key
+    /// read that client's stored answer. Call this where one key space is right: a service
+    /// with a single client, or keys that are already unique per client (the delivery ID of
+    /// a single webhook sender). It removes a scope function set before, and turns
+    /// [`with_scope_required`](Self::with_scope_required) off.
+    pub fn with_shared_scope(self) -> Self {
+        self.with(|c| {
+            c.scope = None;
+            c.scope_required = false;
+            c.shared_scope = true;
+        })
+    }
+
+    /// Whether dropping a keyed request's response future (the client disconnected, a
+    /// timeout layer outside this one gave up) cancels its handler (default `false`).
+    ///
+    /// By default a keyed request runs in a Tokio task of its own (`tokio::spawn`) and the
+    /// response future waits for it, so once its key is claimed the handler **runs to its
+    /// end** even if the client is gone, and its answer is stored (in transactional mode:
+    /// committed). A retry meanwhile gets `409`, and after it the stored answer: a handler is
+    /// never cut at an arbitrary `.await` and run again from the start. A panic in the handler
+    /// still releases the key and resumes in the response future. The task costs one spawn
+    /// per keyed request; Tokio task-locals of outer layers are not visible inside it (the
+    /// tracing span is carried over). Outside a Tokio runtime the request runs inline.
+    ///
+    /// With `true`, the request runs inline in the response future, as plain Tower
+    /// middleware does: dropping it drops the handler wherever it waits. In plain mode the
+    /// key is then released (in the background), so a retry runs the handler again from the
+    /// start; in transactional mode the transaction rolls back. In plain mode a request
+    /// dropped after its handler answered still has its answer read and stored (in a task),
+    /// but one dropped while its claim is on the way back leaves the key to its lease: a
+    /// retry gets `409` until the lease runs out. Choose it for handlers that are safe to cut
+    /// at any `.await` and expensive to finish for nobody.
+    pub fn with_cancel_on_disconnect(self, cancel: bool) -> Self {
+        self.with(|c| c.cancel_on_disconnect = cancel)
+    }
+
+    /// Renders the layer's own answers (400, 401, 409, 413, 422, 503) differently. The default
     /// is [`Rejection::to_response`].
     pub fn with_rejection_handler<F>(self, render: F) -> Self
     where
@@ -267,6 +424,18 @@ impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
     type Service = Idempotency<S, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        let config = &self.config;
+        if config.scope.is_none()
+            && !config.shared_scope
+            && !self.warned.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(
+                "idempotency layer without a scope: all clients share one key space, so a \
+                 client that learns another's key gets its stored answer; set `with_scope` \
+                 (the authenticated principal), or `with_shared_scope()` to say that this is \
+                 intended"
+            );
+        }
         Idempotency::new(inner, self.store.clone(), self.config.clone())
     }
 }

@@ -8,6 +8,12 @@
 //! use axum::{Extension, Router, routing::post};
 //! use tower_idempotency::{IdempotencyKey, IdempotencyLayer, MemoryStore};
 //!
+//! /// Who is calling: inserted into the request's extensions by your authentication layer.
+//! #[derive(Clone)]
+//! struct Principal {
+//!     account_id: String,
+//! }
+//!
 //! async fn create_payment(
 //!     Extension(key): Extension<IdempotencyKey>, // or `key: IdempotencyKey`, feature "axum"
 //!     body: String,
@@ -22,14 +28,20 @@
 //!     .route("/payments", post(create_payment))
 //!     .layer(
 //!         IdempotencyLayer::new(MemoryStore::new())
-//!             // Scope keys per tenant, so no client can replay another's answer.
-//!             .with_scope(|req| {
-//!                 req.headers.get("authorization")?.to_str().ok().map(str::to_owned)
-//!             }),
+//!             // Keys belong to the authenticated account, so no client can replay another's
+//!             // answer. Never scope on a raw credential such as the Authorization header.
+//!             .with_scope(|req| req.extensions.get::<Principal>().map(|p| p.account_id.clone()))
+//!             // No principal: `401`, instead of one key space shared by all such requests.
+//!             .with_scope_required(true),
 //!     );
+//! // .layer(your_authentication_layer): added after, so it runs first and sets `Principal`.
 //! # use tower::ServiceExt;
-//! # let req = || http::Request::post("/payments")
-//! #     .header("idempotency-key", "k1").body(axum::body::Body::from("x")).unwrap();
+//! # let req = || {
+//! #     let mut req = http::Request::post("/payments")
+//! #         .header("idempotency-key", "k1").body(axum::body::Body::from("x")).unwrap();
+//! #     req.extensions_mut().insert(Principal { account_id: "acct_1".into() });
+//! #     req
+//! # };
 //! # let first = app.clone().oneshot(req()).await.unwrap();
 //! # assert_eq!(first.status(), 201);
 //! # let again = app.oneshot(req()).await.unwrap();
@@ -53,20 +65,29 @@
 //! |---|---|
 //! | absent, or expired (completed longer ago than the TTL; in progress, it never expires while its lease runs) | the key is claimed *in progress* under a lease; the handler runs |
 //! | in progress, lease running | `409 Conflict` with `Retry-After: 1`; handler not run |
-//! | in progress, lease ran out (its process died) | taken over with a new fencing token; the handler runs |
+//! | in progress, lease ran out (its process died, or could not renew it) | taken over with a new fencing token; the handler runs |
 //! | completed | the stored status, headers and body replayed with `Idempotent-Replayed: true`; handler not run |
 //! | any, with another fingerprint | `422 Unprocessable Content`; handler not run; record unchanged |
 //!
 //! When the handler answers, the layer stores its answer (2xx, 3xx and 4xx; 5xx only with
 //! [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors)) and the key
-//! becomes *completed* for the TTL. A `5xx`, a handler error, a panic or a request future
-//! dropped while the handler runs (the client went away) **releases** the key, so a retry
-//! runs the handler again. Once the handler has answered, its answer is stored by a task of
-//! its own, even if the client is gone by then.
-//! While the handler runs, the layer renews the lease every third of it; a lease only runs
-//! out when the process running the handler dies. Completing and releasing need the claim's
-//! fencing token, so a request whose key was taken over can never overwrite the new owner's
-//! result.
+//! becomes *completed* for the TTL. A `5xx`, a handler error or a panic **releases** the key,
+//! so a retry runs the handler again (the panic goes on in the response future).
+//!
+//! A keyed request runs in a Tokio task of its own: once its key is claimed, the handler
+//! **runs to its end even if the client goes away** (the response future is dropped), and
+//! its answer is stored (in transactional mode, committed); a retry meanwhile gets `409`,
+//! and after it the stored answer. So a handler is never cut at an arbitrary `.await` and
+//! then run again from the start.
+//! [`with_cancel_on_disconnect(true)`](IdempotencyLayer::with_cancel_on_disconnect) runs the
+//! request inline instead: a dropped request cuts the handler and releases the key.
+//!
+//! While the handler runs, the layer renews the lease every third of it. A lease runs out
+//! under a live process only when no renewal succeeds for about two thirds of it (the store
+//! unreachable or slower than a third of the lease, or the process stalled); the handler
+//! then finds its [`Lease`] lost (in its request's extensions) and may stop. Completing and
+//! releasing need the claim's fencing token, so a request whose key was taken over can never
+//! overwrite the new owner's result.
 //!
 //! | request | answer |
 //! |---|---|
@@ -74,6 +95,7 @@
 //! | key empty, over 255 characters, not visible ASCII (a quoted key may also hold spaces), or badly quoted | `400` |
 //! | key as a quoted string (`"abc"`) or bare (`abc`) | accepted; the same key |
 //! | the key header more than once | `400` |
+//! | a key, but no scope, with [`with_scope_required(true)`](IdempotencyLayer::with_scope_required) | `401`; handler not run, nothing stored |
 //! | body over the limit (default 1 MiB) | `413`; nothing stored |
 //! | store unreachable | `503` with `Retry-After: 1`; handler not run (fail closed) |
 //! | method not covered (`GET`, `HEAD`, `OPTIONS`, `PUT`, `DELETE` by default) | passed through untouched: no allocation, no store access |
@@ -136,7 +158,8 @@
 //! | [`with_header`](IdempotencyLayer::with_header) / [`with_key_from`](IdempotencyLayer::with_key_from) | `Idempotency-Key` |
 //! | [`with_methods`](IdempotencyLayer::with_methods) | `POST`, `PATCH` |
 //! | [`with_key_required`](IdempotencyLayer::with_key_required) | `true` |
-//! | [`with_scope`](IdempotencyLayer::with_scope) | none (one shared scope) |
+//! | [`with_scope`](IdempotencyLayer::with_scope) | none (one shared scope, with a warning; [`with_shared_scope`](IdempotencyLayer::with_shared_scope) says it is intended) |
+//! | [`with_scope_required`](IdempotencyLayer::with_scope_required) | `false` |
 //! | [`with_lease`](IdempotencyLayer::with_lease) | 30 s |
 //! | [`with_ttl`](IdempotencyLayer::with_ttl) | 24 h |
 //! | [`with_max_request_body`](IdempotencyLayer::with_max_request_body) | 1 MiB |
@@ -144,6 +167,7 @@
 //! | [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors) | `false` |
 //! | [`with_replayed_set_cookie`](IdempotencyLayer::with_replayed_set_cookie) | `false` |
 //! | [`with_fingerprint_headers`](IdempotencyLayer::with_fingerprint_headers) | none |
+//! | [`with_cancel_on_disconnect`](IdempotencyLayer::with_cancel_on_disconnect) | `false`: a started handler runs to its end |
 //! | [`with_rejection_handler`](IdempotencyLayer::with_rejection_handler) | problem+json |
 //!
 //! # Layer ordering
@@ -159,15 +183,26 @@
 //!
 //! The layer inserts the [`IdempotencyKey`] into the request's extensions; with the `axum`
 //! feature it is also an extractor (`IdempotencyKey`, or `Option<IdempotencyKey>`). Use
-//! [`IdempotencyKey::derive`] to pass a key on to a payment provider: `<key>:charge`.
+//! [`IdempotencyKey::derive`] to pass a key on to a payment provider: `<key>:charge`. In
+//! plain mode the extensions also hold the request's [`Lease`], which says whether another
+//! request may have taken the key over.
 //!
 //! # Security
 //!
 //! - **Always set a scope.** Without [`with_scope`](IdempotencyLayer::with_scope) all
 //!   clients share one key space: a client that learns or guesses another's key gets that
 //!   client's stored answer (which may hold personal or payment data), and can block another
-//!   client's request with `409`/`422`. Derive the scope from the authenticated principal
-//!   (never from a header the client can set freely) and authenticate before this layer.
+//!   client's request with `409`/`422`. A layer without a scope logs a `WARN` when it is
+//!   applied, unless [`with_shared_scope`](IdempotencyLayer::with_shared_scope) says so.
+//! - **Scope on the authenticated principal**: the account or tenant your authentication
+//!   layer established and put into the request's extensions. Authenticate before this
+//!   layer. Never scope on a header the client sets freely, nor on a raw credential (the
+//!   `Authorization` header, an API token): a refreshed token would make a retry a new
+//!   request, and a weak credential could be guessed back from its digest.
+//!   [`with_scope_required(true)`](IdempotencyLayer::with_scope_required) answers `401` to a
+//!   keyed request without a principal instead of putting it in the shared scope.
+//! - Stores keep a fixed-size [`scope_digest`] (SHA-256, 64 hex characters), never the scope
+//!   itself: a scope of any length fits, and the store does not hold what it was made of.
 //! - Keys should be unguessable (a UUIDv4 or 128 random bits); the layer cannot enforce it.
 //! - Stored answers are kept for the TTL in the store: protect the store like the data
 //!   itself, and keep the TTL no longer than clients retry.
@@ -210,8 +245,9 @@ pub use extract::MissingIdempotencyKey;
 pub use extract::MissingIdempotentTx;
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer};
+pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, scope_digest};
 pub use mode::Mode;
+pub use plain::Lease;
 pub use rejection::Rejection;
 pub use response::{IDEMPOTENT_REPLAYED, StoredResponse};
 pub use service::Idempotency;
@@ -259,6 +295,11 @@ pub mod problems {
     //! ## store-unavailable
     //! `503` with `Retry-After`: the idempotency store failed; the request was not processed
     //! and is safe to retry with the same key.
+    //!
+    //! ## missing-scope
+    //! `401`: the layer requires a scope (the authenticated principal; see
+    //! [`with_scope_required`](crate::IdempotencyLayer::with_scope_required)) and the request
+    //! has none. The request was not processed; authenticate and retry with the same key.
 }
 
 /// The README's examples, compiled as doc tests.

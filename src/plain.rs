@@ -1,7 +1,7 @@
 //! Plain mode: claim the key in the store, run the handler, store its answer.
 //!
-//! A keyed request runs in one boxed future, whose size is what every keyed request allocates
-//! and moves. An `async fn` for the whole run would keep each part of it at once: the request
+//! A keyed request runs in one task (or, with `cancel_on_disconnect`, one boxed future), whose
+//! size is what every keyed request allocates and moves. An `async fn` for the whole run would keep each part of it at once: the request
 //! head while the handler runs, the handler's future while its answer is stored. So the run is
 //! two steps, chained by [`Steps`] so that they share their room:
 //!
@@ -9,10 +9,12 @@
 //! 2. [`Handling`] (by hand, each state holding only what it needs): run the handler and read
 //!    its answer while renewing the lease, then store the answer or release the key.
 
+use std::fmt;
 use std::future::Future;
 use std::ops::ControlFlow;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -20,6 +22,8 @@ use bytes::Bytes;
 use http::{Request, Response, request::Parts};
 use http_body::Body;
 use pin_project_lite::pin_project;
+use tokio::sync::Notify;
+use tokio::time::Instant;
 use tower_service::Service;
 
 use crate::body::{RequestBody, ResponseBody};
@@ -37,6 +41,104 @@ use crate::service::{
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
 
 type BoxTask = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// The lease of a keyed request in plain mode, for its handler: whether the request still
+/// holds its key.
+///
+/// The layer inserts it into the request's extensions (plain mode only: in transactional
+/// mode the key is held by the request's transaction, which nothing can take over). While
+/// the handler runs, the layer renews the lease every third of its length
+/// ([`with_lease`](crate::IdempotencyLayer::with_lease)). The lease is **lost** when
+///
+/// - a renewal finds that the request no longer holds the key: another request took it
+///   over after the lease ran out, or the key's record expired (a handler slower than the
+///   TTL); or
+/// - no renewal has succeeded for a whole lease (the store could not be reached, or
+///   answered slower than a third of the lease, for about two thirds of it; or the process
+///   stalled): another request may take the key over at any moment.
+///
+/// Once lost, a lease stays lost. The handler is not cancelled: it runs on, and its client
+/// gets its answer, but that answer is stored only if no other request claimed the key
+/// meanwhile (completing takes the claim's fencing token). A handler with work still to do
+/// can stop early, or pass its work on with a [derived key](crate::IdempotencyKey::derive)
+/// so that the other side deduplicates it:
+///
+/// ```
+/// use http::{Request, StatusCode};
+/// use tower_idempotency::Lease;
+///
+/// async fn charge<B>(req: Request<B>) -> StatusCode {
+///     let lease = req.extensions().get::<Lease>().cloned();
+///     let work = async { /* the slow part */ StatusCode::CREATED };
+///     match lease {
+///         Some(lease) => tokio::select! {
+///             answer = work => answer,
+///             // Another request may be running this one's work now: stop here. A 5xx
+///             // stores nothing (and releases the key if this request still holds it).
+///             () = lease.lost() => StatusCode::SERVICE_UNAVAILABLE,
+///         },
+///         None => work.await,
+///     }
+/// }
+/// # let _ = charge::<()>;
+/// ```
+#[derive(Clone)]
+pub struct Lease {
+    state: Arc<LeaseState>,
+}
+
+struct LeaseState {
+    lost: AtomicBool,
+    notify: Notify,
+}
+
+impl Lease {
+    fn new() -> Self {
+        Self {
+            state: Arc::new(LeaseState {
+                lost: AtomicBool::new(false),
+                notify: Notify::new(),
+            }),
+        }
+    }
+
+    /// Whether the lease is lost: another request holds the key, or may take it over.
+    pub fn is_lost(&self) -> bool {
+        self.state.lost.load(Ordering::Acquire)
+    }
+
+    /// Waits until the lease is lost (returns at once if it is); to `select!` on while the
+    /// handler works. It never returns while the lease holds.
+    pub async fn lost(&self) {
+        let mut notified = pin!(self.state.notify.notified());
+        loop {
+            // Registered before the flag is read, so a loss in between is not missed.
+            notified.as_mut().enable();
+            if self.is_lost() {
+                return;
+            }
+            notified.as_mut().await;
+            notified.set(self.state.notify.notified());
+        }
+    }
+
+    /// Marks the lease lost and wakes the waiters; `true` if it was not lost before.
+    fn lose(&self) -> bool {
+        let first = !self.state.lost.swap(true, Ordering::AcqRel);
+        if first {
+            self.state.notify.notify_waiters();
+        }
+        first
+    }
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
 
 /// Runs a keyed request in plain mode.
 pub(crate) fn run_plain<St, S, ReqBody, ResBody>(
@@ -101,6 +203,8 @@ where
             lease: config.lease,
             ttl: config.ttl,
         };
+        // The lease runs from some moment after this: renewals count from here.
+        let claimed_at = Instant::now();
         let answer = match store.claim(request).await {
             Ok(ClaimOutcome::Acquired { token, takeover }) => {
                 record(if takeover {
@@ -114,6 +218,7 @@ where
                         scope,
                         key,
                         token,
+                        claimed_at,
                     },
                     parts,
                     buffered,
@@ -138,15 +243,60 @@ where
 pin_project! {
     /// Step 2: runs the handler of a claimed key and reads its answer, renewing the lease
     /// meanwhile; then stores the answer, or releases the key.
-    struct Handling<St: Store, F, B: Body, E> {
-        // Releases the key if this future is dropped (the client went away) or unwinds (the
-        // handler panicked) before the handler's work is done, so a retry is not locked out.
+    struct Handling<St, F, B, E>
+    where
+        St: Store,
+        B: Body<Data = Bytes>,
+        B: Send,
+        B: 'static,
+        B::Error: Send,
+        B::Error: 'static,
+    {
+        // Releases the key if this future is dropped (the client went away, with
+        // `cancel_on_disconnect`) or unwinds (the handler panicked) while the handler runs, so
+        // a retry is not locked out.
         guard: ReleaseGuard<St>,
         config: Arc<Config>,
-        // Made when the handler first waits: most answer at once.
-        renew: Option<BoxTask>,
+        // The handler's view of the lease (in its request's extensions).
+        lease: Lease,
+        renewal: Renewal,
         #[pin]
         state: State<F, B, E>,
+    }
+
+    impl<St, F, B, E> PinnedDrop for Handling<St, F, B, E>
+    where
+        St: Store,
+        B: Body<Data = Bytes>,
+        B: Send,
+        B: 'static,
+        B::Error: Send,
+        B::Error: 'static,
+    {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            // Dropped after the handler answered, while its body is read: the handler's work
+            // is done, so the rest of the body is read and the answer stored in a task (the
+            // key is released only if the body fails), instead of releasing the key for a
+            // retry to run the handler again. (Unwinding, the body panicked: the guard releases
+            // the key.)
+            if let StateProj::Reading { answer } = this.state.project()
+                && !std::thread::panicking()
+                && let Ok(runtime) = tokio::runtime::Handle::try_current()
+                && let Some(answer) = answer.take()
+                && let Some(held) = this.guard.held.take()
+            {
+                let ttl = this.config.ttl;
+                tracing::debug!("idempotent request dropped while its answer was read; storing it");
+                runtime.spawn(async move {
+                    let (_, stored) = answer.await;
+                    match stored {
+                        Some(stored) => held.complete(&stored, ttl).await,
+                        None => held.release().await,
+                    }
+                });
+            }
+        }
     }
 }
 
@@ -154,7 +304,8 @@ pin_project! {
     #[project = StateProj]
     enum State<F, B: Body, E> {
         Calling { #[pin] future: F },
-        Reading { answer: ToStore<B> },
+        // `None` once taken by the drop (see `Handling`'s `PinnedDrop`).
+        Reading { answer: Option<ToStore<B>> },
         // Storing the answer did not finish at its first poll: it goes on in a task of its
         // own, which finishes even if this future is dropped meanwhile.
         Storing { response: Option<Response<ResponseBody<B>>>, task: tokio::task::JoinHandle<()> },
@@ -169,7 +320,8 @@ impl<St, F, B, E> Handling<St, F, B, E>
 where
     St: Store,
     F: Future<Output = Result<Response<B>, E>>,
-    B: Body<Data = Bytes>,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Send + 'static,
 {
     fn start<S, ReqBody>(claimed: Claimed<St>, mut inner: S) -> Self
     where
@@ -182,6 +334,8 @@ where
             config,
         } = claimed;
         parts.extensions.insert(held.key.clone());
+        let lease = Lease::new();
+        parts.extensions.insert(lease.clone());
         let guard = ReleaseGuard { held: Some(held) };
         let req = Request::from_parts(
             parts,
@@ -191,7 +345,8 @@ where
         Self {
             guard,
             config,
-            renew: None,
+            lease,
+            renewal: Renewal::Idle,
             state: State::Calling { future },
         }
     }
@@ -212,15 +367,19 @@ where
             let next = match this.state.as_mut().project() {
                 StateProj::Calling { future } => match future.poll(cx) {
                     Poll::Ready(Ok(response)) => State::Reading {
-                        answer: to_store(this.config, response),
+                        answer: Some(to_store(this.config, response)),
                     },
                     Poll::Ready(Err(err)) => releasing(this.guard, Err(err)),
                     Poll::Pending => {
-                        poll_renewal(this.guard, this.renew, this.config.lease, cx);
+                        poll_renewal(this.guard, this.renewal, this.lease, this.config.lease, cx);
                         return Poll::Pending;
                     }
                 },
-                StateProj::Reading { answer } => match Pin::new(answer).poll(cx) {
+                // Never `None` here: it is taken only on drop.
+                StateProj::Reading { answer: None } => return Poll::Pending,
+                StateProj::Reading {
+                    answer: Some(answer),
+                } => match Pin::new(answer).poll(cx) {
                     Poll::Ready((response, Some(stored))) => {
                         // The handler's work is done: from here on, a dropped request must not
                         // release the key (a retry would run the handler twice).
@@ -244,7 +403,7 @@ where
                     }
                     Poll::Ready((response, None)) => releasing(this.guard, Ok(response)),
                     Poll::Pending => {
-                        poll_renewal(this.guard, this.renew, this.config.lease, cx);
+                        poll_renewal(this.guard, this.renewal, this.lease, this.config.lease, cx);
                         return Poll::Pending;
                     }
                 },
@@ -292,41 +451,89 @@ fn releasing<St: Store, F, B: Body, E>(
     }
 }
 
+/// The renewal of a claimed key's lease while its handler runs.
+enum Renewal {
+    /// Not started: most handlers answer at their first poll.
+    Idle,
+    Running(BoxTask),
+    /// Ended, as the lease was lost; never polled again.
+    Done,
+}
+
 /// Polls the renewal of the lease (made at the first call), which renews it every third of
-/// it while the handler runs.
+/// it while the handler runs, until the lease is lost.
 fn poll_renewal<St: Store>(
     guard: &ReleaseGuard<St>,
-    renew: &mut Option<BoxTask>,
+    renewal: &mut Renewal,
+    signal: &Lease,
     lease: Duration,
     cx: &mut Context<'_>,
 ) {
-    if renew.is_none()
+    if let Renewal::Idle = renewal
         && let Some(held) = &guard.held
     {
-        let (store, scope, key, token) = (
+        *renewal = Renewal::Running(Box::pin(renew(
             held.store.clone(),
             held.scope.clone(),
             held.key.clone(),
             held.token,
-        );
-        *renew = Some(Box::pin(async move {
-            let period = lease / 3;
-            loop {
-                tokio::time::sleep(period).await;
-                match store.renew(&scope, &key, token, lease).await {
-                    Ok(true) => tracing::trace!("idempotency lease renewed"),
-                    Ok(false) => {
-                        tracing::warn!("idempotency lease lost: another request took the key over");
-                        return;
-                    }
-                    // Try again at the next period; the lease outlives two missed renewals.
-                    Err(err) => log_store_error(&err, "renew a lease"),
-                }
-            }
-        }));
+            held.claimed_at,
+            lease,
+            signal.clone(),
+        )));
     }
-    if let Some(renew) = renew {
-        let _: Poll<()> = renew.as_mut().poll(cx);
+    if let Renewal::Running(task) = renewal
+        && task.as_mut().poll(cx).is_ready()
+    {
+        *renewal = Renewal::Done;
+    }
+}
+
+/// Renews the lease every third of it; marks it lost (and ends) when the store says the key
+/// is no longer this claim's, and marks it lost (renewing on) when no renewal succeeded for a
+/// whole lease since the last one that did (or the claim) was sent.
+async fn renew<St: Store>(
+    store: St,
+    scope: String,
+    key: IdempotencyKey,
+    token: LeaseToken,
+    claimed_at: Instant,
+    lease: Duration,
+    signal: Lease,
+) {
+    let period = lease / 3;
+    let mut confirmed = claimed_at;
+    loop {
+        tokio::time::sleep(period).await;
+        let sent = Instant::now();
+        // A renewal slower than a period counts as failed: the next one is due.
+        match tokio::time::timeout(period, store.renew(&scope, &key, token, lease)).await {
+            Ok(Ok(true)) => {
+                confirmed = sent;
+                tracing::trace!("idempotency lease renewed");
+            }
+            Ok(Ok(false)) => {
+                if signal.lose() {
+                    tracing::warn!(
+                        "idempotency lease lost: another request holds the key now (the lease \
+                         ran out, or the key expired); the handler runs on, and its answer will \
+                         not be stored over the other request's"
+                    );
+                } else {
+                    tracing::debug!("idempotency lease lost: another request holds the key now");
+                }
+                return;
+            }
+            // Tried again at the next period; the lease outlives two missed renewals.
+            Ok(Err(err)) => log_store_error(&err, "renew a lease"),
+            Err(_) => tracing::warn!("renewing an idempotency lease timed out"),
+        }
+        if confirmed.elapsed() >= lease && signal.lose() {
+            tracing::warn!(
+                "idempotency lease may have run out: no renewal succeeded for a whole lease, so \
+                 another request may take the key over while this handler runs"
+            );
+        }
     }
 }
 
@@ -335,6 +542,8 @@ struct Held<St> {
     scope: String,
     key: IdempotencyKey,
     token: LeaseToken,
+    /// When the claim was sent: the lease runs from some moment after it.
+    claimed_at: Instant,
 }
 
 /// Releases a claimed key on drop (in a task), unless its `held` was taken.

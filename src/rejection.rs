@@ -67,6 +67,11 @@ pub enum Rejection {
     },
     /// `503`: the idempotency store could not be reached; the handler was not run.
     StoreUnavailable,
+    /// `401`: the layer requires a scope
+    /// ([`with_scope_required`](crate::IdempotencyLayer::with_scope_required)) and none could
+    /// be derived from the request: it has no authenticated principal. Sent without a
+    /// `WWW-Authenticate` challenge (the layer does not know the scheme).
+    MissingScope,
 }
 
 impl Rejection {
@@ -81,6 +86,7 @@ impl Rejection {
             Self::InFlight { .. } | Self::ResponseNotStored { .. } => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::MissingScope => StatusCode::UNAUTHORIZED,
         }
     }
 
@@ -96,6 +102,7 @@ impl Rejection {
             Self::KeyReused => "key-reused",
             Self::ResponseNotStored { .. } => "response-not-stored",
             Self::StoreUnavailable => "store-unavailable",
+            Self::MissingScope => "missing-scope",
         }
     }
 
@@ -114,6 +121,7 @@ impl Rejection {
                 "The request with this Idempotency-Key was processed, but its response cannot be replayed"
             }
             Self::StoreUnavailable => "The idempotency store is unavailable",
+            Self::MissingScope => "The request has no authenticated principal",
         }
     }
 
@@ -166,6 +174,9 @@ impl Rejection {
             Self::StoreUnavailable => {
                 "The request was not processed. It is safe to retry with the same key.".into()
             }
+            Self::MissingScope => "The request was not processed: this operation needs an \
+                 authenticated client. Authenticate, then retry with the same key."
+                .into(),
         }
     }
 
@@ -308,6 +319,7 @@ mod tests {
                 original_status: StatusCode::CREATED,
             },
             Rejection::StoreUnavailable,
+            Rejection::MissingScope,
         ];
         for r in all {
             let res = r.to_response();

@@ -126,6 +126,20 @@ where
             key,
         };
         let run = Sealed::execute(self.store.clone(), keyed, inner, req);
+        // By default the request runs in a task of its own, which a dropped response future
+        // (the client went away) does not cancel: a handler, once started, runs to its end.
+        if !self.config.cancel_on_disconnect
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            // The task keeps the span of the caller (an outer trace layer's), as polling in
+            // place would.
+            let span = if span.is_disabled() {
+                tracing::Span::current()
+            } else {
+                span
+            };
+            return ResponseFuture::spawned(runtime.spawn(run.instrument(span)));
+        }
         if span.is_disabled() {
             ResponseFuture::keyed(Box::pin(run))
         } else {
@@ -215,7 +229,7 @@ pub(crate) enum Outcome {
     Mismatch,
     /// Answered 503: the store failed before the handler ran.
     StoreError,
-    /// Answered 400 or 413 before the store was asked.
+    /// Answered 400, 401 or 413 before the store was asked.
     Rejected,
 }
 
@@ -324,8 +338,8 @@ where
     })
 }
 
-/// [`prepare`] for a request whose head stays with the caller: derives the scope, reads the
-/// body and fingerprints the request.
+/// [`prepare`] for a request whose head stays with the caller: derives the scope (as stores
+/// see it: its digest), reads the body and fingerprints the request.
 pub(crate) async fn read_request<ReqBody, ResBody>(
     config: &Config,
     parts: &Parts,
@@ -336,11 +350,10 @@ where
     ReqBody::Error: Into<BoxError>,
     ResBody: Body,
 {
-    let scope = config
-        .scope
-        .as_ref()
-        .and_then(|f| f(parts))
-        .unwrap_or_default();
+    let scope = config.scope_of(parts).map_err(|rejection| {
+        record(Outcome::Rejected);
+        render(config, &rejection)
+    })?;
     let mut fingerprinter = Fingerprinter::new(parts, &config.fingerprint_headers);
     match read_body(body, &mut fingerprinter, config.max_request_body).await {
         Ok(buffered) => Ok((scope, fingerprinter.finish(), buffered)),

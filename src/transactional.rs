@@ -8,7 +8,9 @@
 //!
 //! - the client sees a success only if it was committed, together with the key;
 //! - a `5xx` answer, a handler error or a panic rolls everything back: nothing is stored and
-//!   a retry runs the handler again;
+//!   a retry runs the handler again (a request whose client went away still runs to its end
+//!   and commits, unless
+//!   [`with_cancel_on_disconnect`](crate::IdempotencyLayer::with_cancel_on_disconnect));
 //! - a failed commit gives the client `503` with `Retry-After` and nothing is stored (also
 //!   when the commit fails because the handler's own work conflicted with another
 //!   transaction under `SERIALIZABLE`);

@@ -346,9 +346,11 @@ async fn service_error_releases_the_key<F: Fixture>(fx: &F) {
     }
 }
 
+/// With `with_cancel_on_disconnect(true)`; by default the handler runs to its end instead
+/// (tests/cancellation.rs).
 async fn dropped_request_releases_the_key<F: Fixture>(fx: &F) {
     let calls = Calls::default();
-    let app = build(layer(fx.store()), &calls);
+    let app = build(layer(fx.store()).with_cancel_on_disconnect(true), &calls);
     let first = tokio::spawn(app(req("POST", "/slow?ms=1500", Some("k"), "b")));
     wait_for(|| calls.get("/slow") == 1).await;
     first.abort(); // the client went away

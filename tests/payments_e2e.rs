@@ -1233,7 +1233,9 @@ async fn assert_written_with_key(
     row_sql: &'static str,
     binds: &[&str],
 ) -> String {
-    let key_tx = xmin(db, KEY_XMIN, &[scope, key]).await;
+    // Stores keep the digest of a scope, not its text.
+    let digest = tower_idempotency::scope_digest(scope);
+    let key_tx = xmin(db, KEY_XMIN, &[&digest, key]).await;
     let row_tx = xmin(db, row_sql, binds).await;
     assert_eq!(
         row_tx, key_tx,

@@ -13,6 +13,7 @@ use tower::{Layer, ServiceExt};
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Level};
 use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
@@ -97,4 +98,65 @@ async fn the_outcome_is_recorded_in_the_request_span() {
         fields.contains(&"idempotency.outcome=replayed".to_owned()),
         "{fields:?}"
     );
+}
+
+/// Collects the messages of `WARN` events.
+#[derive(Clone, Default)]
+struct Warnings(Arc<Mutex<Vec<String>>>);
+
+struct Message(String);
+
+impl Visit for Message {
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        if field.name() == "message" {
+            self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
+    fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
+        if *event.metadata().level() == Level::WARN {
+            let mut message = Message(String::new());
+            event.record(&mut message);
+            self.0.lock().unwrap().push(message.0);
+        }
+    }
+}
+
+fn handler() -> impl tower::Service<
+    Request<tower_idempotency::body::RequestBody<Full<Bytes>>>,
+    Response = Response<Full<Bytes>>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone {
+    tower::service_fn(|_req| async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::new()))) })
+}
+
+/// A layer built without a scope warns once (not per service it wraps, nor per request);
+/// a scoped layer, and one that opted into the shared scope, do not.
+#[tokio::test]
+async fn a_layer_without_a_scope_warns_once() {
+    let warnings = Warnings::default();
+    let subscriber = tracing_subscriber::registry().with(warnings.clone());
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let taken = || std::mem::take(&mut *warnings.0.lock().unwrap());
+
+    let unscoped = IdempotencyLayer::new(MemoryStore::new());
+    let svc = unscoped.layer(handler());
+    let _second = unscoped.clone().layer(handler()); // e.g. axum applies it per route
+    for key in ["k-1", "k-2"] {
+        svc.clone().oneshot(post(key)).await.unwrap();
+    }
+    let warned = taken();
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert!(warned[0].contains("without a scope"), "{warned:?}");
+
+    IdempotencyLayer::new(MemoryStore::new())
+        .with_scope(|_| Some("tenant".to_owned()))
+        .layer(handler());
+    IdempotencyLayer::new(MemoryStore::new())
+        .with_shared_scope()
+        .layer(handler());
+    assert_eq!(taken(), Vec::<String>::new());
 }
