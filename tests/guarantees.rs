@@ -31,9 +31,8 @@ fn every_row_names_a_test_and_every_named_test_exists() {
     let mut rows_without = Vec::new();
     for line in doc.lines() {
         let refs = references(line);
-        let is_row = line.starts_with('|')
-            && !line.starts_with("|---")
-            && !line.starts_with("| situation");
+        let is_row =
+            line.starts_with('|') && !line.starts_with("|---") && !line.starts_with("| situation");
         if is_row && refs.is_empty() {
             rows_without.push(line.to_owned());
         }
@@ -47,7 +46,10 @@ fn every_row_names_a_test_and_every_named_test_exists() {
         }
     }
     assert!(named >= 40, "GUARANTEES.md names only {named} tests");
-    assert!(missing.is_empty(), "tests named in GUARANTEES.md but not found: {missing:#?}");
+    assert!(
+        missing.is_empty(),
+        "tests named in GUARANTEES.md but not found: {missing:#?}"
+    );
     assert!(
         rows_without.is_empty(),
         "rows of GUARANTEES.md that name no test: {rows_without:#?}"
