@@ -151,6 +151,13 @@
 //! dies between the handler's commit and the key's, the lease runs out and a retry runs the
 //! handler again. Transactional mode closes that window: a crash leaves both or neither.
 //!
+//! Both modes keep their guarantee at every isolation level (`READ COMMITTED`, `REPEATABLE
+//! READ`, `SERIALIZABLE`, as `default_transaction_isolation` or, in transactional mode,
+//! [`Transactional::with_isolation`]); [GUARANTEES.md] states the guarantee of each mode and
+//! names, for every situation, the test that proves it.
+//!
+//! [GUARANTEES.md]: https://docs.rs/crate/tower-idempotency/latest/source/GUARANTEES.md
+//!
 //! # Configuration
 //!
 //! | setter | default |
