@@ -140,5 +140,5 @@ for level in "repeatable read" "serializable"; do
     echo "scripts/test.sh: the Postgres suites again at default_transaction_isolation = $level" >&2
     TI_ISOLATION="$level" cargo test --all-features \
         --test behaviour --test transactional --test postgres --test inbox --test model \
-        --test cancellation --test round_trips --test payments_e2e
+        --test cancellation --test round_trips --test payments_e2e --test scope
 done
