@@ -44,20 +44,17 @@ BEGIN
     VALUES (p_scope, p_key, p_fingerprint, 0, now(), now())
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING k.ctid INTO found_row;
-    IF found_row IS NOT NULL THEN
-        RETURN QUERY SELECT 'acquired'::text, found_row::text, NULL::bytea, NULL::bigint,
-                            NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea;
-        RETURN;
+    IF found_row IS NULL THEN
+        UPDATE tower_idempotency_keys AS k
+           SET fingerprint = p_fingerprint, lease_token = 0, lease_expires_at = now(),
+               expires_at = now(), created_at = now(), completed_at = NULL,
+               response_status = NULL, response_headers = NULL, response_body = NULL
+         WHERE k.scope = p_scope AND k.key = p_key
+           AND (k.expires_at <= now()
+                OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= now()
+                    AND k.fingerprint = p_fingerprint))
+        RETURNING k.ctid INTO found_row;
     END IF;
-    UPDATE tower_idempotency_keys AS k
-       SET fingerprint = p_fingerprint, lease_token = 0, lease_expires_at = now(),
-           expires_at = now(), created_at = now(), completed_at = NULL,
-           response_status = NULL, response_headers = NULL, response_body = NULL
-     WHERE k.scope = p_scope AND k.key = p_key
-       AND (k.expires_at <= now()
-            OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= now()
-                AND k.fingerprint = p_fingerprint))
-    RETURNING k.ctid INTO found_row;
     IF found_row IS NOT NULL THEN
         RETURN QUERY SELECT 'acquired'::text, found_row::text, NULL::bytea, NULL::bigint,
                             NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea;

@@ -7,56 +7,17 @@ use std::time::Duration;
 
 use support::{Calls, read, req};
 use tower::{Layer, ServiceExt};
-use tower_idempotency::{
-    ClaimOutcome, ClaimRequest, IdempotencyKey, IdempotencyLayer, LeaseToken, MemoryStore, Store,
-    StoreError, StoredResponse,
-};
-
-/// A memory store whose `complete` is slow, to drop the request while the answer is stored.
-#[derive(Clone, Default)]
-struct SlowComplete(MemoryStore);
-
-impl Store for SlowComplete {
-    async fn claim(&self, r: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
-        self.0.claim(r).await
-    }
-    async fn complete(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        self.0.complete(scope, key, token, response, ttl).await
-    }
-    async fn release(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-    ) -> Result<bool, StoreError> {
-        self.0.release(scope, key, token).await
-    }
-    async fn renew(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.0.renew(scope, key, token, lease).await
-    }
-    async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {
-        self.0.purge_expired(batch_size).await
-    }
-}
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Store};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_request_while_the_answer_is_stored_keeps_the_answer() {
     let calls = Calls::default();
-    let svc = IdempotencyLayer::new(SlowComplete::default()).layer(support::handler(calls.clone()));
+    let svc = IdempotencyLayer::new({
+        let store = support::Faulty::default();
+        store.complete_delay_ms.store(300, Ordering::SeqCst);
+        store
+    })
+    .layer(support::handler(calls.clone()));
     let first = tokio::spawn(svc.clone().oneshot(req("POST", "/pay", Some("k"), "b")));
     while calls.get("/pay") == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -66,23 +27,18 @@ async fn dropping_the_request_while_the_answer_is_stored_keeps_the_answer() {
     first.abort();
     assert!(first.await.unwrap_err().is_cancelled());
     // The key must not have been released: a retry is a 409, then a replay, never a rerun.
-    let started = std::time::Instant::now();
-    loop {
-        let a = read(
+    let answer = support::until_not_in_flight(Duration::from_secs(5), || async {
+        read(
             svc.clone()
                 .oneshot(req("POST", "/pay", Some("k"), "b"))
                 .await
                 .unwrap(),
         )
-        .await;
-        if a.replayed() {
-            assert_eq!(a.status, 201);
-            break;
-        }
-        a.assert_problem(409, "request-in-progress");
-        assert!(started.elapsed() < Duration::from_secs(5));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        .await
+    })
+    .await;
+    assert!(answer.replayed(), "{}", answer.text());
+    assert_eq!(answer.status, 201);
     assert_eq!(calls.get("/pay"), 1, "the handler ran once");
 }
 
@@ -189,23 +145,17 @@ async fn dropped_request_runs_its_handler_to_the_end<St: Store>(store: St) {
     probe
         .wait_for("the handler to end", |p| p.ended() == 1)
         .await;
-    let started = tokio::time::Instant::now();
-    let after = loop {
-        let a = read(
+    let after = support::until_not_in_flight(Duration::from_secs(10), || async {
+        read(
             svc.clone()
                 .oneshot(req("POST", "/pay", Some("k"), "b"))
                 .await
                 .unwrap(),
         )
-        .await;
-        if a.replayed() {
-            break a;
-        }
-        // The answer is being stored.
-        a.assert_problem(409, "request-in-progress");
-        assert!(started.elapsed() < Duration::from_secs(10), "never stored");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+        .await
+    })
+    .await;
+    assert!(after.replayed(), "{}", after.text());
     assert_eq!(
         (after.status, after.text().as_str()),
         (StatusCode::CREATED, "done #1")
@@ -236,143 +186,46 @@ async fn dropped_request_runs_its_handler_to_the_end_postgres() {
     schema.drop_schema().await;
 }
 
-/// A memory store whose claim answers late: the claim is made, then the request is dropped
-/// before it learns so.
-#[derive(Clone, Default)]
-struct SlowClaim(MemoryStore);
-
-impl Store for SlowClaim {
-    async fn claim(&self, r: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
-        let outcome = self.0.claim(r).await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        outcome
-    }
-    async fn complete(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.0.complete(scope, key, token, response, ttl).await
-    }
-    async fn release(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-    ) -> Result<bool, StoreError> {
-        self.0.release(scope, key, token).await
-    }
-    async fn renew(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.0.renew(scope, key, token, lease).await
-    }
-    async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {
-        self.0.purge_expired(batch_size).await
-    }
-}
-
 /// A request dropped while its claim is on the way back leaves no key locked for a lease:
 /// the claimed request runs, and a retry gets its answer long before the lease (30 s) ends.
 #[tokio::test(start_paused = true)]
 async fn dropped_during_the_claim_leaves_no_key_locked_for_a_lease() {
     let calls = Calls::default();
-    let svc = IdempotencyLayer::new(SlowClaim::default()).layer(support::handler(calls.clone()));
+    let svc = IdempotencyLayer::new({
+        let store = support::Faulty::default();
+        store.claim_delay_ms.store(200, Ordering::SeqCst);
+        store
+    })
+    .layer(support::handler(calls.clone()));
     let first = tokio::spawn(svc.clone().oneshot(req("POST", "/pay", Some("k"), "b")));
     tokio::time::sleep(Duration::from_millis(50)).await; // the claim is made, its answer not back
     first.abort();
     assert!(first.await.unwrap_err().is_cancelled());
-    let started = tokio::time::Instant::now();
-    loop {
-        let a = read(
+    let answer = support::until_not_in_flight(Duration::from_secs(20), || async {
+        read(
             svc.clone()
                 .oneshot(req("POST", "/pay", Some("k"), "b"))
                 .await
                 .unwrap(),
         )
-        .await;
-        if a.replayed() {
-            assert_eq!(a.status, 201);
-            break;
-        }
-        a.assert_problem(409, "request-in-progress");
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "the key stayed locked for its lease"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        .await
+    })
+    .await;
+    assert!(answer.replayed(), "{}", answer.text());
+    assert_eq!(answer.status, 201);
     assert_eq!(calls.get("/pay"), 1, "the handler ran once");
 }
 
 // ---------------------------------------------------------------------------------------------
 // A handler that outlives its lease.
 
-/// A memory store whose renewals fail while `refuse` is set.
-#[derive(Clone, Default)]
-struct Flaky {
-    inner: MemoryStore,
-    refuse: Arc<AtomicBool>,
-    /// Renewals answer that the claim no longer holds the key.
-    disown: Arc<AtomicBool>,
-}
-
-impl Store for Flaky {
-    async fn claim(&self, r: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
-        self.inner.claim(r).await
-    }
-    async fn complete(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(scope, key, token, response, ttl).await
-    }
-    async fn release(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-    ) -> Result<bool, StoreError> {
-        self.inner.release(scope, key, token).await
-    }
-    async fn renew(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        if self.refuse.load(Ordering::SeqCst) {
-            return Err(StoreError::backend("the store is unreachable"));
-        }
-        if self.disown.load(Ordering::SeqCst) {
-            return Ok(false);
-        }
-        self.inner.renew(scope, key, token, lease).await
-    }
-    async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch_size).await
-    }
-}
-
 /// The store cannot be reached for renewals; the lease (300 ms) runs out, and a retry takes
 /// the key over. When the store is back, the first request's renewal finds the key taken: no
 /// panic, the first client gets its (stale) answer, and the new owner's answer stays stored.
 #[tokio::test(start_paused = true)]
 async fn a_handler_that_outlives_its_lease_is_not_cut_and_its_answer_not_stored() {
-    let store = Flaky::default();
-    store.refuse.store(true, Ordering::SeqCst);
+    let store = support::Faulty::default();
+    store.renew_fails.store(true, Ordering::SeqCst);
     let calls = Arc::new(AtomicUsize::new(0));
     // When the first handler learned that its lease was lost, and whether it still was at
     // its end.
@@ -431,7 +284,7 @@ async fn a_handler_that_outlives_its_lease_is_not_cut_and_its_answer_not_stored(
         (second.status.as_u16(), second.text().as_str()),
         (201, "fresh")
     );
-    store.refuse.store(false, Ordering::SeqCst);
+    store.renew_fails.store(false, Ordering::SeqCst);
 
     let first = read(first.await.expect("the first request panicked").unwrap()).await;
     assert_eq!(
@@ -482,7 +335,7 @@ async fn a_handler_learns_when_the_store_says_its_claim_is_gone() {
             }
         })
     };
-    let store = Flaky::default();
+    let store = support::Faulty::default();
     let svc = IdempotencyLayer::new(store.clone())
         .with_lease(Duration::from_millis(300))
         .layer(handler);
@@ -491,7 +344,7 @@ async fn a_handler_learns_when_the_store_says_its_claim_is_gone() {
     // Two renewals (at 100 and 200 ms) succeed; the next ones are disowned.
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert!(!lost.load(Ordering::SeqCst));
-    store.disown.store(true, Ordering::SeqCst);
+    store.renew_disowned.store(true, Ordering::SeqCst);
     let answer = read(first.await.unwrap().unwrap()).await;
     assert_eq!(answer.text(), "late");
     assert!(
@@ -557,25 +410,17 @@ async fn dropped_request_commits_its_transaction() {
     probe
         .wait_for("the handler to end", |p| p.ended() == 1)
         .await;
-    let started = tokio::time::Instant::now();
-    let after = loop {
-        let a = read(
+    let after = support::until_not_in_flight(Duration::from_secs(10), || async {
+        read(
             svc.clone()
                 .oneshot(req("POST", "/pay", Some("k"), "b"))
                 .await
                 .unwrap(),
         )
-        .await;
-        if a.replayed() {
-            break a;
-        }
-        a.assert_problem(409, "request-in-progress");
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "never committed"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+        .await
+    })
+    .await;
+    assert!(after.replayed(), "{}", after.text());
     assert_eq!(after.status, StatusCode::CREATED);
     let counts: (i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM payments), (SELECT count(*) FROM tower_idempotency_keys)",
@@ -613,26 +458,17 @@ async fn with_cancel_on_disconnect_a_dropped_request_is_cut_and_its_key_released
     first.abort();
     assert!(first.await.unwrap_err().is_cancelled());
     probe.open();
-    let started = tokio::time::Instant::now();
-    let retry = loop {
-        let a = read(
+    let retry = support::until_not_in_flight(Duration::from_secs(10), || async {
+        read(
             svc.clone()
                 .oneshot(req("POST", "/pay", Some("k"), "b"))
                 .await
                 .unwrap(),
         )
-        .await;
-        if a.status == StatusCode::CREATED {
-            break a;
-        }
-        // The release runs in the background.
-        a.assert_problem(409, "request-in-progress");
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the key stayed locked"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+        .await
+    })
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
     assert!(!retry.replayed());
     assert_eq!(retry.text(), "done #2");
     assert_eq!(
@@ -720,26 +556,17 @@ async fn with_cancel_on_disconnect_a_dropped_transactional_request_rolls_back() 
     first.abort();
     assert!(first.await.unwrap_err().is_cancelled());
     probe.open();
-    let started = tokio::time::Instant::now();
-    let retry = loop {
-        let a = read(
+    let retry = support::until_not_in_flight(Duration::from_secs(10), || async {
+        read(
             svc.clone()
                 .oneshot(req("POST", "/pay", Some("k"), "b"))
                 .await
                 .unwrap(),
         )
-        .await;
-        if a.status == StatusCode::CREATED {
-            break a;
-        }
-        // The dropped transaction's rollback (and its lock) is on its way.
-        a.assert_problem(409, "request-in-progress");
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the key stayed locked"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+        .await
+    })
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
     assert_eq!(retry.text(), "done #2");
     let counts: (i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM payments), (SELECT count(*) FROM tower_idempotency_keys)",

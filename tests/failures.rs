@@ -5,71 +5,12 @@
 
 mod support;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use support::{Calls, read, req};
 use tower::{Layer, ServiceExt};
-use tower_idempotency::{
-    ClaimOutcome, ClaimRequest, IdempotencyKey, IdempotencyLayer, LeaseToken, MemoryStore, Store,
-    StoreError, StoredResponse,
-};
-
-/// A memory store whose `complete` and `release` fail while `down` is set.
-#[derive(Clone, Default)]
-struct Flaky {
-    store: MemoryStore,
-    down: Arc<AtomicBool>,
-}
-
-impl Flaky {
-    fn check(&self) -> Result<(), StoreError> {
-        if self.down.load(Ordering::SeqCst) {
-            Err(StoreError::backend("the store is down"))
-        } else {
-            Ok(())
-        }
-    }
-}
-
-impl Store for Flaky {
-    async fn claim(&self, r: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
-        self.store.claim(r).await
-    }
-    async fn complete(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.check()?;
-        self.store.complete(scope, key, token, response, ttl).await
-    }
-    async fn release(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-    ) -> Result<bool, StoreError> {
-        self.check()?;
-        self.store.release(scope, key, token).await
-    }
-    async fn renew(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.store.renew(scope, key, token, lease).await
-    }
-    async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {
-        self.store.purge_expired(batch_size).await
-    }
-}
+use tower_idempotency::IdempotencyLayer;
 
 /// The store fails as the answer is stored: the client gets the handler's `201`; a retry
 /// within the lease gets `409` (the handler does not run again); after the lease, with the
@@ -78,13 +19,13 @@ impl Store for Flaky {
 #[tokio::test(start_paused = true)]
 async fn a_failed_completion_still_answers_and_leaves_the_key_to_its_lease() {
     let calls = Calls::default();
-    let store = Flaky::default();
+    let store = support::Faulty::default();
     let svc = IdempotencyLayer::new(store.clone())
         .with_lease(Duration::from_secs(30))
         .layer(support::handler(calls.clone()));
     let send = || svc.clone().oneshot(req("POST", "/pay", Some("k"), "b"));
 
-    store.down.store(true, Ordering::SeqCst);
+    store.writes_fail.store(true, Ordering::SeqCst);
     let first = read(send().await.unwrap()).await;
     assert_eq!(
         first.status,
@@ -95,7 +36,7 @@ async fn a_failed_completion_still_answers_and_leaves_the_key_to_its_lease() {
     assert!(!first.replayed());
     assert_eq!(calls.get("/pay"), 1);
 
-    store.down.store(false, Ordering::SeqCst);
+    store.writes_fail.store(false, Ordering::SeqCst);
     let during = read(send().await.unwrap()).await;
     during.assert_problem(409, "request-in-progress");
     assert_eq!(calls.get("/pay"), 1, "not run again within the lease");
@@ -118,16 +59,16 @@ async fn a_failed_completion_still_answers_and_leaves_the_key_to_its_lease() {
 #[tokio::test(start_paused = true)]
 async fn a_failed_release_still_answers_and_the_lease_frees_the_key() {
     let calls = Calls::default();
-    let store = Flaky::default();
+    let store = support::Faulty::default();
     let svc = IdempotencyLayer::new(store.clone())
         .with_lease(Duration::from_secs(30))
         .layer(support::handler(calls.clone()));
     let send = || svc.clone().oneshot(req("POST", "/fail", Some("k"), "b"));
 
-    store.down.store(true, Ordering::SeqCst);
+    store.writes_fail.store(true, Ordering::SeqCst);
     let first = read(send().await.unwrap()).await;
     assert_eq!(first.status, 500, "the handler's real answer");
-    store.down.store(false, Ordering::SeqCst);
+    store.writes_fail.store(false, Ordering::SeqCst);
     read(send().await.unwrap())
         .await
         .assert_problem(409, "request-in-progress");

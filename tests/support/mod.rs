@@ -427,3 +427,112 @@ fn build_example(name: &str, profile_dir: &std::path::Path) {
         Err(e) => eprintln!("cannot run cargo ({e}); using the example binary as built"),
     }
 }
+
+/// A memory store with faults to switch on: slow answers, failing writes, renewals refused or
+/// disowned. Clones share the switches.
+#[derive(Clone, Default)]
+pub struct Faulty {
+    pub inner: tower_idempotency::MemoryStore,
+    /// The claim is made, then answered this many milliseconds late.
+    pub claim_delay_ms: Arc<std::sync::atomic::AtomicU64>,
+    /// `complete` waits this many milliseconds before storing.
+    pub complete_delay_ms: Arc<std::sync::atomic::AtomicU64>,
+    /// `complete` and `release` fail (the store is down for writes).
+    pub writes_fail: Arc<std::sync::atomic::AtomicBool>,
+    /// `renew` fails (the store cannot be reached).
+    pub renew_fails: Arc<std::sync::atomic::AtomicBool>,
+    /// `renew` answers that the claim no longer holds the key.
+    pub renew_disowned: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Faulty {
+    /// Switches a fault on or off.
+    pub fn set(switch: &std::sync::atomic::AtomicBool, on: bool) {
+        switch.store(on, Ordering::SeqCst);
+    }
+
+    fn down(switch: &std::sync::atomic::AtomicBool) -> Result<(), tower_idempotency::StoreError> {
+        if switch.load(Ordering::SeqCst) {
+            Err(tower_idempotency::StoreError::backend("the store is down"))
+        } else {
+            Ok(())
+        }
+    }
+
+    async fn delay(ms: &std::sync::atomic::AtomicU64) {
+        let ms = ms.load(Ordering::SeqCst);
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+    }
+}
+
+impl tower_idempotency::Store for Faulty {
+    async fn claim(
+        &self,
+        r: tower_idempotency::ClaimRequest<'_>,
+    ) -> Result<tower_idempotency::ClaimOutcome, tower_idempotency::StoreError> {
+        let outcome = self.inner.claim(r).await;
+        Self::delay(&self.claim_delay_ms).await;
+        outcome
+    }
+    async fn complete(
+        &self,
+        scope: &str,
+        key: &tower_idempotency::IdempotencyKey,
+        token: tower_idempotency::LeaseToken,
+        response: &tower_idempotency::StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, tower_idempotency::StoreError> {
+        Self::delay(&self.complete_delay_ms).await;
+        Self::down(&self.writes_fail)?;
+        self.inner.complete(scope, key, token, response, ttl).await
+    }
+    async fn release(
+        &self,
+        scope: &str,
+        key: &tower_idempotency::IdempotencyKey,
+        token: tower_idempotency::LeaseToken,
+    ) -> Result<bool, tower_idempotency::StoreError> {
+        Self::down(&self.writes_fail)?;
+        self.inner.release(scope, key, token).await
+    }
+    async fn renew(
+        &self,
+        scope: &str,
+        key: &tower_idempotency::IdempotencyKey,
+        token: tower_idempotency::LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, tower_idempotency::StoreError> {
+        Self::down(&self.renew_fails)?;
+        if self.renew_disowned.load(Ordering::SeqCst) {
+            return Ok(false);
+        }
+        self.inner.renew(scope, key, token, lease).await
+    }
+    async fn purge_expired(&self, batch_size: usize) -> Result<u64, tower_idempotency::StoreError> {
+        self.inner.purge_expired(batch_size).await
+    }
+}
+
+/// Sends `send()` until it is not `409` (the first request, or its release, still in
+/// progress) and returns that answer; fails when it stays `409` for `within`.
+pub async fn until_not_in_flight<F, Fut>(within: Duration, mut send: F) -> Answer
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Answer>,
+{
+    let started = tokio::time::Instant::now();
+    loop {
+        let a = send().await;
+        if a.status != StatusCode::CONFLICT {
+            return a;
+        }
+        a.assert_problem(409, "request-in-progress");
+        assert!(
+            started.elapsed() < within,
+            "the key stayed in flight for {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
