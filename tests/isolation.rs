@@ -522,3 +522,62 @@ async fn a_handler_that_catches_a_failed_statement_gets_its_answer_stored() {
         schema.drop_schema().await;
     }
 }
+
+/// Plain mode, two first requests racing: the second's claim statement takes its snapshot,
+/// then the first's insert commits, then the second inserts. (A function in a schema ahead of
+/// the store's on the search path stands in for the claim's insert function and sleeps before
+/// calling it.) Under REPEATABLE READ and SERIALIZABLE the second insert fails with a
+/// serialization failure; the store claims again, sees the first's record and answers `409` —
+/// never `503` — and the handler runs once, at every level.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_mode_racing_first_requests_get_409_never_503_at_every_level() {
+    use support::{Calls, handler};
+    for level in LEVELS {
+        let schema = PgSchema::new().await;
+        let setup = schema.pool(2).await;
+        PostgresStore::new(setup.clone()).migrate().await.unwrap();
+        let slow = format!("{}_slow", schema.name);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE SCHEMA {slow};
+             CREATE FUNCTION {slow}.tower_idempotency_insert_key(
+                 p_scope text, p_key text, p_fingerprint bytea, p_lease_ms bigint, p_ttl_ms bigint)
+             RETURNS bigint LANGUAGE sql VOLATILE AS $$
+                 SELECT pg_sleep(0.4);
+                 SELECT {schema}.tower_idempotency_insert_key(
+                     p_scope, p_key, p_fingerprint, p_lease_ms, p_ttl_ms) $$",
+            schema = schema.name
+        )))
+        .execute(&setup)
+        .await
+        .unwrap();
+        let pool = pool_with(&format!("{slow}, {}", schema.name), level, &[], 4).await;
+        let calls = Calls::default();
+        let svc =
+            IdempotencyLayer::new(PostgresStore::new(pool.clone())).layer(handler(calls.clone()));
+        let send = || {
+            let svc = svc.clone();
+            async move {
+                read(
+                    svc.oneshot(req("POST", "/slow?ms=1500", Some("k"), "b"))
+                        .await
+                        .unwrap(),
+                )
+                .await
+            }
+        };
+        let first = tokio::spawn(send());
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let second = send().await;
+        second.assert_problem(409, "request-in-progress");
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 201, "{level}: {}", first.text());
+        assert_eq!(calls.get("/slow"), 1, "{level}");
+        pool.close().await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {slow} CASCADE")))
+            .execute(&setup)
+            .await
+            .unwrap();
+        setup.close().await;
+        schema.drop_schema().await;
+    }
+}
