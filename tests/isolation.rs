@@ -117,7 +117,7 @@ async fn a_record_committed_between_snapshot_and_lock_is_replayed_at_every_level
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "CREATE FUNCTION {}.pg_try_advisory_xact_lock(bigint) RETURNS boolean
              LANGUAGE sql VOLATILE AS
-             $$ SELECT pg_sleep(0.6); SELECT pg_catalog.pg_try_advisory_xact_lock($1) $$",
+             $$ SELECT pg_sleep(1.0); SELECT pg_catalog.pg_try_advisory_xact_lock($1) $$",
             schema.name
         )))
         .execute(&setup)
@@ -128,15 +128,15 @@ async fn a_record_committed_between_snapshot_and_lock_is_replayed_at_every_level
         let calls = Arc::new(AtomicUsize::new(0));
         let app = payments_app(&store, None, calls.clone());
 
-        // The first: its claim sleeps 0.6 s before the lock, its handler 0.3 s; it commits at
-        // about 0.9 s. The second starts at 0.45 s: its look sees nothing yet, its claim's
-        // snapshot dates from before the first commit, its lock comes after it.
+        // The first: its claim sleeps 1 s before the lock, its handler 0.1 s; it commits at
+        // about 1.1 s. The second starts at 0.5 s: its look sees nothing yet, its claim's
+        // snapshot dates from before the first commit, its lock (at about 1.5 s) after it.
         let first = tokio::spawn({
             let app = app.clone();
-            async move { app(req("POST", "/pay?ms=300", Some("k"), "b")).await }
+            async move { app(req("POST", "/pay?ms=100", Some("k"), "b")).await }
         });
-        tokio::time::sleep(Duration::from_millis(450)).await;
-        let second = app(req("POST", "/pay?ms=300", Some("k"), "b")).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let second = app(req("POST", "/pay?ms=100", Some("k"), "b")).await;
         let first = first.await.unwrap();
 
         assert_eq!(first.status, 201, "{level}: {}", first.text());
@@ -542,7 +542,7 @@ async fn plain_mode_racing_first_requests_get_409_never_503_at_every_level() {
              CREATE FUNCTION {slow}.tower_idempotency_insert_key(
                  p_scope text, p_key text, p_fingerprint bytea, p_lease_ms bigint, p_ttl_ms bigint)
              RETURNS bigint LANGUAGE sql VOLATILE AS $$
-                 SELECT pg_sleep(0.4);
+                 SELECT pg_sleep(0.8);
                  SELECT {schema}.tower_idempotency_insert_key(
                      p_scope, p_key, p_fingerprint, p_lease_ms, p_ttl_ms) $$",
             schema = schema.name
@@ -565,8 +565,10 @@ async fn plain_mode_racing_first_requests_get_409_never_503_at_every_level() {
                 .await
             }
         };
+        // The first inserts (and commits) at about 0.8 s; the second's statement starts at
+        // 0.3 s and inserts at about 1.1 s, while the first's handler still runs (1.5 s).
         let first = tokio::spawn(send());
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         let second = send().await;
         second.assert_problem(409, "request-in-progress");
         let first = first.await.unwrap();
