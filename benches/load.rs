@@ -16,7 +16,8 @@
 //! default store against its own SQL by hand (`pg-plain-new`'s baseline sends the cheaper
 //! insert-first SQL). Two references have no layer on either side: `pg-tx-by-hand` sends the
 //! layer's transactional SQL by hand around `pg-tx`'s handler (what the layer adds beyond
-//! its SQL), `pg-tx-record-only` the same without the claim (the ceiling of any design that
+//! its SQL), `pg-tx-record-only` the same without the claim (no look, no lock, no placeholder,
+//! no savepoint: the completed record inserted with the commit; the ceiling of any design that
 //! keeps the record in the handler's transaction). A client in a second runtime opens
 //! `--connections` keep-alive connections, sends requests on each back to back for
 //! `--warmup` seconds (not counted), then for `--seconds` seconds, and reports requests per
@@ -184,16 +185,18 @@ const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "pg-tx-by-hand",
         layer_side: "reference, no layer: the layer's transactional SQL sent by hand around the \
-                     pg-tx handler (the claim with BEGIN, the payment INSERT, the record's INSERT \
-                     with COMMIT): what the layer adds to its own SQL",
+                     pg-tx handler (the look, BEGIN, the claim_tx placeholder and the savepoint in \
+                     one message; the payment INSERT; complete_tx with COMMIT): what the layer \
+                     adds to its own SQL",
         baseline: "as pg-tx",
         target: 0.8,
         build: |ctx| Box::pin(build_pg_tx(ctx, TxSide::ByHand { claim: true })),
     },
     Scenario {
         name: "pg-tx-record-only",
-        layer_side: "reference, no layer: as pg-tx-by-hand without the claim (BEGIN, the payment \
-                     INSERT, the record's INSERT with COMMIT): the ceiling of any design that \
+        layer_side: "reference, no layer: as pg-tx-by-hand without the claim, i.e. without the \
+                     look, the lock, the placeholder and the savepoint (BEGIN, the payment INSERT, \
+                     the completed record's INSERT with COMMIT): the ceiling of any design that \
                      keeps the record in the handler's transaction",
         baseline: "as pg-tx",
         target: 0.8,
@@ -686,68 +689,129 @@ async fn build_pg_tx(ctx: &Ctx, side: TxSide) -> Result<Built, BoxError> {
 // --- pg-tx-by-hand, pg-tx-record-only ---------------------------------------------------
 
 /// References for `pg-tx` (not the layer): its handler with the layer's transactional SQL
-/// sent by hand, the claim included or left out. With the claim, the messages are the
-/// layer's own (`round_trips` asserts them): `SELECT tower_idempotency_claim_in_tx(…); BEGIN`,
-/// the payment `INSERT`, then `INSERT` of the record`; COMMIT; BEGIN` (the empty transaction
-/// rolled back as the connection returns to the pool). Without it, `BEGIN` alone opens the
-/// transaction: the least that keeping the record in the handler's transaction can cost, as
-/// two requests with one key would both run. The lock id is an FNV-1a hash of the key (the
-/// layer mixes the scope in too).
+/// sent by hand on one pooled connection, the claim included or left out. With the claim,
+/// the messages are the layer's own (`src/transactional.rs`, `claim_batch` and
+/// `completion_batch`; `round_trips` asserts them): one simple query
+/// `BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SELECT 'look' …; COMMIT; BEGIN;
+/// SELECT 'claim', c.* FROM tower_idempotency_claim_tx(…) AS c; SAVEPOINT …` (the look, then
+/// the advisory lock and the placeholder record, whose row id the completion needs), the
+/// payment `INSERT`, then `SELECT tower_idempotency_complete_tx('(block,offset)', …); COMMIT`
+/// (the placeholder updated into the completed record). Without the claim there is no look
+/// transaction, no lock, no placeholder and no savepoint: `BEGIN` alone opens the
+/// transaction and the completion writes the completed record with one `INSERT` before
+/// `COMMIT`, in one message: the least that keeping the record in the handler's transaction
+/// can cost, as two requests with one key would both run. The lock id is an FNV-1a hash of
+/// the key (the layer's is 64 bits of a SHA-256 of scope and key); the scope is the shared
+/// one (`''`), as the layer's in `pg-tx`, which sets no scope.
 #[derive(Clone)]
 struct ByHand {
     pool: PgPool,
     claim: bool,
 }
 
+/// The record's columns the layer's look returns (`RECORD_COLUMNS` in `src/transactional.rs`).
+const LOOK_COLUMNS: &str = "k.fingerprint, k.lease_token, \
+     (extract(epoch FROM k.lease_expires_at - now()) * 1000)::bigint AS lease_left_ms, \
+     k.response_status, k.response_headers, k.response_body";
+
 async fn pay_by_hand(State(hand): State<ByHand>, parts: Parts, body: Bytes) -> Response {
     let Some(key) = key_of(&parts.headers) else {
         return problem(StatusCode::BAD_REQUEST);
     };
     let fp = fingerprint(&parts, &[], &body);
+    let mut conn = match hand.pool.acquire().await {
+        Ok(conn) => conn,
+        Err(e) => {
+            eprintln!("by hand: {e}");
+            return problem(StatusCode::SERVICE_UNAVAILABLE);
+        }
+    };
     let paid = async {
-        let mut tx = if hand.claim {
+        let placeholder = if hand.claim {
             let lock = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
                 (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
             });
-            let mut sql = format!(
-                "SELECT tower_idempotency_claim_in_tx({}, E'', ",
+            let mut k_arg = String::new();
+            push_text(&mut k_arg, key);
+            let mut fp_arg = String::new();
+            push_hex(&mut fp_arg, fp.as_bytes());
+            let sql = format!(
+                "BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SELECT 'look' AS step, \
+                 {LOOK_COLUMNS} FROM tower_idempotency_keys AS k WHERE k.scope = E'' AND \
+                 k.key = {k_arg} AND k.expires_at > now() AND (k.lease_token IS NULL OR \
+                 k.lease_expires_at > now() OR k.fingerprint <> {fp_arg}); COMMIT; BEGIN; \
+                 SELECT 'claim' AS step, c.* FROM tower_idempotency_claim_tx({}, E'', \
+                 {k_arg}, {fp_arg}) AS c; SAVEPOINT tower_idempotency_handler",
                 i64::from_ne_bytes(lock.to_ne_bytes())
             );
-            push_text(&mut sql, key);
-            sql.push(',');
-            push_hex(&mut sql, fp.as_bytes());
-            sql.push_str("); BEGIN");
-            hand.pool.begin_with(sqlx::AssertSqlSafe(sql)).await?
+            let rows = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .fetch_all(&mut *conn)
+                .await?;
+            let step = |name: &str| {
+                rows.iter()
+                    .find(|r| r.try_get::<&str, _>("step").ok() == Some(name))
+            };
+            if step("look").is_some() {
+                return Err("the look found a record for a new key".into());
+            }
+            let claim = step("claim").ok_or("the claim returned no row")?;
+            let outcome: &str = claim.try_get("outcome")?;
+            if outcome != "acquired" {
+                return Err(format!("the claim of a new key answered {outcome:?}").into());
+            }
+            Some(claim.try_get::<String, _>("claimed_row")?)
         } else {
-            hand.pool.begin().await?
+            sqlx::raw_sql("BEGIN").execute(&mut *conn).await?;
+            None
         };
-        let id = insert_payment(&mut tx).await?;
+        let id = insert_payment(&mut conn).await?;
         let (head, res_body) = payment_created(id, body.len()).into_parts();
         let res_body = axum::body::to_bytes(res_body, usize::MAX).await?;
         let stored = StoredResponse::new(head.status, head.headers.clone(), res_body.clone());
         let mut sql = String::with_capacity(512 + 2 * res_body.len());
-        sql.push_str(
-            "INSERT INTO tower_idempotency_keys (scope, key, fingerprint, expires_at, \
-             completed_at, response_status, response_headers, response_body) VALUES (E'',",
-        );
-        push_text(&mut sql, key);
-        sql.push(',');
-        push_hex(&mut sql, fp.as_bytes());
-        sql.push_str(",now()+86400000*interval '1 millisecond',now(),");
-        sql.push_str(head.status.as_str());
-        sql.push(',');
-        push_hex(&mut sql, &stored.encode_headers());
-        sql.push(',');
-        push_hex(&mut sql, &res_body);
-        sql.push_str("); COMMIT; BEGIN");
+        match &placeholder {
+            Some(row) => {
+                sql.push_str("SELECT tower_idempotency_complete_tx('");
+                sql.push_str(row);
+                sql.push_str("',E'',");
+                push_text(&mut sql, key);
+                sql.push_str(",86400000,");
+                sql.push_str(head.status.as_str());
+                sql.push_str("::smallint,");
+                push_hex(&mut sql, &stored.encode_headers());
+                sql.push(',');
+                push_hex(&mut sql, &res_body);
+                sql.push_str("); COMMIT");
+            }
+            None => {
+                sql.push_str(
+                    "INSERT INTO tower_idempotency_keys (scope, key, fingerprint, expires_at, \
+                     completed_at, response_status, response_headers, response_body) VALUES \
+                     (E'',",
+                );
+                push_text(&mut sql, key);
+                sql.push(',');
+                push_hex(&mut sql, fp.as_bytes());
+                sql.push_str(",now()+86400000*interval '1 millisecond',now(),");
+                sql.push_str(head.status.as_str());
+                sql.push(',');
+                push_hex(&mut sql, &stored.encode_headers());
+                sql.push(',');
+                push_hex(&mut sql, &res_body);
+                sql.push_str("); COMMIT");
+            }
+        }
         sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-            .execute(&mut *tx)
+            .execute(&mut *conn)
             .await?;
         Ok::<_, BoxError>(Response::from_parts(head, axum::body::Body::from(res_body)))
     };
     match paid.await {
         Ok(res) => res,
         Err(e) => {
+            // The transaction may still be open: close the connection rather than return
+            // it to the pool (as the layer's `OpenTx` does).
+            conn.close_on_drop();
             eprintln!("by hand: {e}");
             problem(StatusCode::SERVICE_UNAVAILABLE)
         }
