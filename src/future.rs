@@ -17,13 +17,22 @@ use crate::body::ResponseBody;
 pub(crate) type BoxResponseFuture<B, E> =
     Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
 
+/// Spawns a keyed request's future on a runtime. A function pointer, made where the bounds
+/// that spawning needs (`Send + 'static` output) are known, so that this future's `Future`
+/// implementation needs none of them.
+pub(crate) type Spawn<B, E> = fn(
+    &tokio::runtime::Handle,
+    BoxResponseFuture<B, E>,
+) -> JoinHandle<Result<Response<ResponseBody<B>>, E>>;
+
 pin_project! {
     /// Response future for [`Idempotency`](crate::Idempotency).
     ///
     /// Requests the layer does not cover, and requests it rejects before touching the store
-    /// (no key, a malformed key), are served without allocating. Keyed requests run in a
-    /// Tokio task of their own, which this future waits for (dropping it does not cancel the
-    /// task), or, with
+    /// (no key, a malformed key), are served without allocating. Keyed requests run in one
+    /// boxed future, polled here until it first has to wait and then moved into a Tokio task
+    /// of its own, which this future waits for (dropping it does not cancel the task); or,
+    /// with
     /// [`with_cancel_on_disconnect(true)`](crate::IdempotencyLayer::with_cancel_on_disconnect)
     /// or outside a Tokio runtime, in one boxed future.
     pub struct ResponseFuture<F, B: Body, E> {
@@ -37,6 +46,14 @@ pin_project! {
     enum Kind<F, B: Body, E> {
         Passthrough { #[pin] future: F },
         Keyed { future: BoxResponseFuture<B, E> },
+        // Polled here until it first has to wait (most keyed requests on the memory store
+        // answer at once), then moved into a task of its own, which a dropped response future
+        // does not cancel.
+        Detached {
+            future: Option<BoxResponseFuture<B, E>>,
+            runtime: tokio::runtime::Handle,
+            spawn: Spawn<B, E>,
+        },
         Spawned { task: JoinHandle<Result<Response<ResponseBody<B>>, E>> },
         Ready { response: Option<Response<ResponseBody<B>>> },
     }
@@ -55,9 +72,19 @@ impl<F, B: Body, E> ResponseFuture<F, B, E> {
         }
     }
 
-    pub(crate) fn spawned(task: JoinHandle<Result<Response<ResponseBody<B>>, E>>) -> Self {
+    /// A keyed request that runs to its end even if this future is dropped: polled in place
+    /// until it first waits, then moved into a task on `runtime`.
+    pub(crate) fn detached(
+        future: BoxResponseFuture<B, E>,
+        runtime: tokio::runtime::Handle,
+        spawn: Spawn<B, E>,
+    ) -> Self {
         Self {
-            kind: Kind::Spawned { task },
+            kind: Kind::Detached {
+                future: Some(future),
+                runtime,
+                spawn,
+            },
         }
     }
 
@@ -75,6 +102,7 @@ impl<F, B: Body, E> fmt::Debug for ResponseFuture<F, B, E> {
         let kind = match &self.kind {
             Kind::Passthrough { .. } => "Passthrough",
             Kind::Keyed { .. } => "Keyed",
+            Kind::Detached { .. } => "Detached",
             Kind::Spawned { .. } => "Spawned",
             Kind::Ready { .. } => "Ready",
         };
@@ -92,12 +120,38 @@ where
     type Output = Result<Response<ResponseBody<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
+        let mut kind = self.project().kind;
+        if let KindProj::Detached {
+            future,
+            runtime,
+            spawn,
+        } = kind.as_mut().project()
+        {
+            let Some(running) = future.as_mut() else {
+                // Polled after it finished: no Tower or hyper driver does that.
+                return Poll::Pending;
+            };
+            if let Poll::Ready(output) = running.as_mut().poll(cx) {
+                *future = None;
+                return Poll::Ready(output);
+            }
+            // It waits (for the store, the handler or a body): from here on it runs in a task,
+            // so that a dropped response future cannot cut it. The task polls it again, which
+            // registers its own wakers.
+            let Some(waiting) = future.take() else {
+                return Poll::Pending;
+            };
+            let task = spawn(runtime, waiting);
+            kind.set(Kind::Spawned { task });
+        }
+        match kind.project() {
             KindProj::Passthrough { future } => {
                 let res = ready!(future.poll(cx))?;
                 Poll::Ready(Ok(res.map(ResponseBody::inner)))
             }
             KindProj::Keyed { future } => future.as_mut().poll(cx),
+            // Moved on to `Spawned` above.
+            KindProj::Detached { .. } => Poll::Pending,
             KindProj::Spawned { task } => match ready!(Pin::new(task).poll(cx)) {
                 Ok(output) => Poll::Ready(output),
                 // The handler panicked (its key was released as the task unwound): the panic

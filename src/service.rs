@@ -15,7 +15,7 @@ use tracing::Instrument;
 use crate::body::{Chunks, RequestBody, ResponseBody};
 use crate::error::{BoxError, StoreError};
 use crate::fingerprint::{Fingerprint, Fingerprinter};
-use crate::future::ResponseFuture;
+use crate::future::{BoxResponseFuture, ResponseFuture};
 use crate::key::IdempotencyKey;
 use crate::layer::{Config, KeySource};
 use crate::mode::{Keyed, Mode, Sealed};
@@ -126,8 +126,9 @@ where
             key,
         };
         let run = Sealed::execute(self.store.clone(), keyed, inner, req);
-        // By default the request runs in a task of its own, which a dropped response future
-        // (the client went away) does not cancel: a handler, once started, runs to its end.
+        // By default the request runs in a task of its own as soon as it has to wait, which a
+        // dropped response future (the client went away) does not cancel: a handler, once
+        // started, runs to its end. One that answers at once never needs the task.
         if !self.config.cancel_on_disconnect
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
@@ -138,7 +139,11 @@ where
             } else {
                 span
             };
-            return ResponseFuture::spawned(runtime.spawn(run.instrument(span)));
+            return ResponseFuture::detached(
+                Box::pin(run.instrument(span)),
+                runtime,
+                spawn_keyed::<ResBody, S::Error>,
+            );
         }
         if span.is_disabled() {
             ResponseFuture::keyed(Box::pin(run))
@@ -146,6 +151,19 @@ where
             ResponseFuture::keyed(Box::pin(run.instrument(span)))
         }
     }
+}
+
+/// Spawns a keyed request's future (see [`ResponseFuture::detached`]).
+fn spawn_keyed<B, E>(
+    runtime: &tokio::runtime::Handle,
+    future: BoxResponseFuture<B, E>,
+) -> tokio::task::JoinHandle<Result<Response<ResponseBody<B>>, E>>
+where
+    B: Body + Send + 'static,
+    B::Error: Send + 'static,
+    E: Send + 'static,
+{
+    runtime.spawn(future)
 }
 
 /// The key of a covered request: `Ok(None)` when it has none and none is required.
