@@ -48,6 +48,19 @@ async fn pool_with(
         .unwrap()
 }
 
+/// A fresh schema with the store's tables, and a small pool on it for setup and checks.
+async fn migrated() -> (PgSchema, PgPool) {
+    let schema = PgSchema::new().await;
+    let setup = schema.pool(2).await;
+    PostgresStore::new(setup.clone()).migrate().await.unwrap();
+    (schema, setup)
+}
+
+async fn done(schema: PgSchema, setup: PgPool) {
+    setup.close().await;
+    schema.drop_schema().await;
+}
+
 async fn count(pool: &PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
         .fetch_one(pool)
@@ -110,9 +123,7 @@ const PAYMENTS_DDL: &str = "CREATE TABLE payments (id bigserial PRIMARY KEY, not
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_committed_between_snapshot_and_lock_is_replayed_at_every_level() {
     for level in LEVELS {
-        let schema = PgSchema::new().await;
-        let setup = schema.pool(2).await;
-        PostgresStore::new(setup.clone()).migrate().await.unwrap();
+        let (schema, setup) = migrated().await;
         sqlx::query(PAYMENTS_DDL).execute(&setup).await.unwrap();
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "CREATE FUNCTION {}.pg_try_advisory_xact_lock(bigint) RETURNS boolean
@@ -151,8 +162,7 @@ async fn a_record_committed_between_snapshot_and_lock_is_replayed_at_every_level
             "{level}"
         );
         pool.close().await;
-        setup.close().await;
-        schema.drop_schema().await;
+        done(schema, setup).await;
     }
 }
 
@@ -164,9 +174,7 @@ async fn fifty_distinct_keys_under_serializable_see_no_serialization_failure() {
         ("serializable", None),
         ("read committed", Some(IsolationLevel::Serializable)),
     ] {
-        let schema = PgSchema::new().await;
-        let setup = schema.pool(2).await;
-        PostgresStore::new(setup.clone()).migrate().await.unwrap();
+        let (schema, setup) = migrated().await;
         sqlx::query(PAYMENTS_DDL).execute(&setup).await.unwrap();
         // Keys already there, as in a live table: new ones land in the same index pages.
         let old = payments_app(&PostgresStore::new(setup.clone()), None, Arc::default());
@@ -216,8 +224,7 @@ async fn fifty_distinct_keys_under_serializable_see_no_serialization_failure() {
             154
         );
         pool.close().await;
-        setup.close().await;
-        schema.drop_schema().await;
+        done(schema, setup).await;
     }
 }
 
@@ -226,9 +233,7 @@ async fn fifty_distinct_keys_under_serializable_see_no_serialization_failure() {
 /// answers `503` with `Retry-After`, having stored nothing — its retry runs and succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_serialization_failure_of_the_handlers_work_is_503_and_stores_nothing() {
-    let schema = PgSchema::new().await;
-    let setup = schema.pool(2).await;
-    PostgresStore::new(setup.clone()).migrate().await.unwrap();
+    let (schema, setup) = migrated().await;
     sqlx::query("CREATE TABLE shifts (doctor text NOT NULL, on_call boolean NOT NULL)")
         .execute(&setup)
         .await
@@ -311,8 +316,7 @@ async fn a_serialization_failure_of_the_handlers_work_is_503_and_stores_nothing(
         2
     );
     pool.close().await;
-    setup.close().await;
-    schema.drop_schema().await;
+    done(schema, setup).await;
 }
 
 /// Connections whose session settings application code changed — a client encoding whose
@@ -322,9 +326,7 @@ async fn a_serialization_failure_of_the_handlers_work_is_503_and_stores_nothing(
 /// text in a form that depends on those settings.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_session_settings_change_nothing() {
-    let schema = PgSchema::new().await;
-    let setup = schema.pool(2).await;
-    PostgresStore::new(setup.clone()).migrate().await.unwrap();
+    let (schema, setup) = migrated().await;
     sqlx::query(PAYMENTS_DDL).execute(&setup).await.unwrap();
     for encoding in ["SJIS", "BIG5", "GBK", "UTF8"] {
         let hostile = [
@@ -406,8 +408,7 @@ async fn hostile_session_settings_change_nothing() {
         pool.close().await;
     }
     assert_eq!(count(&setup, "SELECT count(*) FROM payments").await, 12);
-    setup.close().await;
-    schema.drop_schema().await;
+    done(schema, setup).await;
 }
 
 /// A handler that catches a failed statement leaves its transaction aborted: nothing it wrote
@@ -418,9 +419,7 @@ async fn hostile_session_settings_change_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_catches_a_failed_statement_gets_its_answer_stored() {
     for level in LEVELS {
-        let schema = PgSchema::new().await;
-        let setup = schema.pool(2).await;
-        PostgresStore::new(setup.clone()).migrate().await.unwrap();
+        let (schema, setup) = migrated().await;
         sqlx::query("CREATE TABLE orders (id bigint PRIMARY KEY)")
             .execute(&setup)
             .await
@@ -518,8 +517,7 @@ async fn a_handler_that_catches_a_failed_statement_gets_its_answer_stored() {
             "{level}: each handler ran once"
         );
         pool.close().await;
-        setup.close().await;
-        schema.drop_schema().await;
+        done(schema, setup).await;
     }
 }
 
@@ -533,9 +531,7 @@ async fn a_handler_that_catches_a_failed_statement_gets_its_answer_stored() {
 async fn plain_mode_racing_first_requests_get_409_never_503_at_every_level() {
     use support::{Calls, handler};
     for level in LEVELS {
-        let schema = PgSchema::new().await;
-        let setup = schema.pool(2).await;
-        PostgresStore::new(setup.clone()).migrate().await.unwrap();
+        let (schema, setup) = migrated().await;
         let slow = format!("{}_slow", schema.name);
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "CREATE SCHEMA {slow};
@@ -579,7 +575,6 @@ async fn plain_mode_racing_first_requests_get_409_never_503_at_every_level() {
             .execute(&setup)
             .await
             .unwrap();
-        setup.close().await;
-        schema.drop_schema().await;
+        done(schema, setup).await;
     }
 }
