@@ -21,6 +21,11 @@ pub enum StoreError {
     /// The store's schema is missing or older than this crate needs (run `migrate()`).
     #[error("idempotency store schema is not ready: {0}")]
     Schema(String),
+    /// The store is full: it holds as many records or bytes as it may, and none it may drop
+    /// (see [`MemoryStore`](crate::MemoryStore)'s limits). Like any store error before the
+    /// handler runs, the layer answers it `503` with `Retry-After`.
+    #[error("idempotency store is full")]
+    Full,
 }
 
 impl StoreError {

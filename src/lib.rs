@@ -258,7 +258,9 @@ pub use plain::Lease;
 pub use rejection::Rejection;
 pub use response::{IDEMPOTENT_REPLAYED, StoredResponse};
 pub use service::Idempotency;
-pub use store::{ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, spawn_purge_task};
+pub use store::{
+    ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, WhenFull, spawn_purge_task,
+};
 #[cfg(feature = "postgres")]
 pub use store::{ClaimStrategy, PostgresStore};
 #[cfg(feature = "postgres")]

@@ -41,7 +41,7 @@ mod memory;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 
-pub use memory::MemoryStore;
+pub use memory::{MemoryStore, WhenFull};
 #[cfg(feature = "postgres")]
 pub use postgres::{ClaimStrategy, PostgresStore};
 
