@@ -53,8 +53,8 @@ fn main() {
         assert_eq!(body.len(), 60);
         let before = rss();
         for i in 0..n {
-            let key = IdempotencyKey::parse(&format!("{i:08x}-0000-4000-8000-000000000000"))
-                .unwrap();
+            let key =
+                IdempotencyKey::parse(&format!("{i:08x}-0000-4000-8000-000000000000")).unwrap();
             let claim = ClaimRequest {
                 scope: "",
                 key: &key,

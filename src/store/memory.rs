@@ -13,10 +13,12 @@ use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, MAX_KEY_LEN};
 use crate::response::StoredResponse;
 
+mod answer;
 mod usage;
 
-use usage::{Usage, answer_bytes, count_evicted, count_expired, count_rejected, record_bytes};
+use answer::Answer;
 pub use usage::WhenFull;
+use usage::{Usage, answer_bytes, count_evicted, count_expired, count_rejected, record_bytes};
 
 const SHARDS: usize = 16;
 
@@ -45,11 +47,12 @@ const ROOM_ATTEMPTS: usize = 16;
 ///
 /// The store holds at most [`with_max_entries`](Self::with_max_entries) records (default
 /// 1,000,000) and about [`with_max_bytes`](Self::with_max_bytes) bytes (default 1 GiB). The
-/// bytes counted for a record are its key, its scope, the header names and values and the body
-/// of its answer, and a fixed estimate of what the store spends around them (256 bytes a
-/// record, 64 an answer; a record with a 36-character key and a small JSON answer counts
-/// about 440 bytes). With the defaults, a million small answers fit; larger answers hit the
-/// byte limit first.
+/// bytes counted for a record are its key, its scope, its answer's status, header names and
+/// values and body (with their lengths), and a fixed estimate of what the store spends around
+/// them (296 bytes a record, 64 an answer). A record with a 36-character key and a 60-byte
+/// JSON answer counts 497 bytes, and takes about 500 of resident memory (measured by
+/// `benches/memory_bytes.rs`). With the defaults, a million small answers fit (about 500 MB);
+/// larger answers hit the byte limit first.
 ///
 /// The limits are checked when a claim would add a record for a new key. Expired answers do
 /// not count: a full store drops them first. If that does not make room, the store applies its
@@ -174,7 +177,7 @@ struct Entry {
 
 enum State {
     InProgress { lease_until: Instant },
-    Completed(StoredResponse),
+    Completed(Answer),
 }
 
 impl Entry {
@@ -185,7 +188,7 @@ impl Entry {
     /// The bytes counted for its answer (none while in progress).
     fn answer_bytes(&self) -> usize {
         match &self.state {
-            State::Completed(answer) => answer_bytes(answer),
+            State::Completed(answer) => answer_bytes(answer.len()),
             State::InProgress { .. } => 0,
         }
     }
@@ -431,10 +434,15 @@ impl MemoryStore {
     fn evict_one(&self) -> bool {
         let mut first: Option<((Instant, i64), usize)> = None;
         for (i, shard) in self.inner.shards.iter().enumerate() {
-            if let Some((&at, _)) = lock(shard).index.completed.first_key_value() {
-                if first.is_none_or(|(f, _)| at < f) {
-                    first = Some((at, i));
-                }
+            let front = lock(shard)
+                .index
+                .completed
+                .first_key_value()
+                .map(|(&at, _)| at);
+            if let Some(at) = front
+                && first.is_none_or(|(f, _)| at < f)
+            {
+                first = Some((at, i));
             }
         }
         // Whatever that shard's first completed record is now (it may have changed since).
@@ -567,7 +575,7 @@ impl Store for MemoryStore {
                     return Ok(ClaimOutcome::Mismatch);
                 }
                 return match &e.state {
-                    State::Completed(resp) => Ok(ClaimOutcome::Completed(resp.clone())),
+                    State::Completed(answer) => Ok(ClaimOutcome::Completed(answer.decode()?)),
                     State::InProgress { lease_until } if *lease_until > now => {
                         Ok(ClaimOutcome::InFlight {
                             retry_after: *lease_until - now,
@@ -615,7 +623,7 @@ impl Store for MemoryStore {
         Ok(self.with_held(scope, key, token, |held, now| match held {
             Some((e, index, hash)) => {
                 index.remove(e);
-                e.state = State::Completed(response.clone());
+                e.state = State::Completed(Answer::encode(response));
                 e.expires_at = after(now, ttl);
                 index.insert(hash, e);
                 self.inner.usage.grew(e.answer_bytes());
@@ -632,10 +640,11 @@ impl Store for MemoryStore {
         token: LeaseToken,
     ) -> Result<bool, StoreError> {
         let (hash, mut shard) = self.shard(scope, key);
-        let held = shard
-            .map
-            .get(&hash)
-            .is_some_and(|slot| slot.records().iter().any(|r| r.is(scope, key) && r.entry.holds(token)));
+        let held = shard.map.get(&hash).is_some_and(|slot| {
+            slot.records()
+                .iter()
+                .any(|r| r.is(scope, key) && r.entry.holds(token))
+        });
         if !held {
             return Ok(false);
         }
@@ -788,6 +797,71 @@ mod tests {
             ClaimOutcome::Completed(answer)
         );
         assert_eq!(store.purge_expired(10).await.unwrap(), 0);
+    }
+
+    async fn store_answer(store: &MemoryStore, k: &str, ttl: Duration) {
+        let key = IdempotencyKey::parse(k).unwrap();
+        let t = token(store.claim(claim("", &key)).await.unwrap());
+        let answer = StoredResponse::new(StatusCode::OK, HeaderMap::new(), Bytes::new());
+        assert!(store.complete("", &key, t, &answer, ttl).await.unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_claim_removes_up_to_four_expired_answers_of_its_shard() {
+        // One shard, one slot: every record is in the claims' way.
+        let store = colliding();
+        for i in 0..10 {
+            store_answer(&store, &format!("old{i}"), Duration::from_secs(1)).await;
+        }
+        let running = IdempotencyKey::parse("running").unwrap();
+        let expired_claim = ClaimRequest {
+            lease: Duration::from_millis(100),
+            ttl: Duration::from_millis(100),
+            ..claim("", &running)
+        };
+        let t = token(store.claim(expired_claim).await.unwrap());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let bytes = store.bytes();
+        for (i, left) in [(0, 8), (1, 5), (2, 4), (3, 5)] {
+            let key = IdempotencyKey::parse(&format!("new{i}")).unwrap();
+            token(store.claim(claim("", &key)).await.unwrap());
+            assert_eq!(store.len(), left, "after claim {i}");
+        }
+        assert!(store.bytes() < bytes);
+        // The expired in-progress record stays: its token still holds it.
+        assert!(
+            store
+                .renew("", &running, t, Duration::from_secs(1))
+                .await
+                .unwrap()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sweeping_and_purging_never_scan_a_shard() {
+        let store = MemoryStore::new();
+        let n = 200_000;
+        for i in 0..n {
+            store_answer(&store, &format!("k{i}"), Duration::from_secs(1)).await;
+        }
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let looked = &store.inner.most_looked_at;
+
+        // A claim removes a few expired answers, looking at no more index entries than that.
+        looked.store(0, Ordering::Relaxed);
+        let key = IdempotencyKey::parse("new").unwrap();
+        token(store.claim(claim("", &key)).await.unwrap());
+        assert!(looked.load(Ordering::Relaxed) <= SWEEP_PER_CLAIM + 1);
+        let left = store.len();
+        assert!((n + 1 - SWEEP_PER_CLAIM..=n).contains(&left), "{left}");
+
+        // A purge takes at most a batch per hold of a shard's lock: 13,000 expired records
+        // a shard, 1,000 a batch, so each shard's lock is let go a dozen times at least.
+        looked.store(0, Ordering::Relaxed);
+        let purged = store.purge_expired(1000).await.unwrap();
+        assert_eq!(purged, (left - 1) as u64);
+        assert!(looked.load(Ordering::Relaxed) <= 1000 + 2);
+        assert_eq!(store.len(), 1);
     }
 
     #[tokio::test(start_paused = true)]

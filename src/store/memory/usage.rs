@@ -4,7 +4,6 @@
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 use crate::key::IdempotencyKey;
-use crate::response::StoredResponse;
 
 /// What a [`MemoryStore`](super::MemoryStore) does with the claim of a new key when it is
 /// full (it holds its [most records](super::MemoryStore::with_max_entries) or [most
@@ -39,7 +38,7 @@ pub(crate) const DEFAULT_MAX_BYTES: usize = 1 << 30;
 /// What a record costs besides its key, scope and answer: its slot in the map (which keeps
 /// spare slots), its entry in the expiry index and its key's allocation. An estimate, checked
 /// against the resident memory of a million records by `benches/memory_bytes.rs`.
-pub(crate) const RECORD_OVERHEAD: usize = 256;
+pub(crate) const RECORD_OVERHEAD: usize = 296;
 /// What a stored answer costs besides its header names and values and its body: its
 /// allocations and their bookkeeping. An estimate, as [`RECORD_OVERHEAD`].
 pub(crate) const ANSWER_OVERHEAD: usize = 64;
@@ -49,14 +48,10 @@ pub(crate) fn record_bytes(scope: &str, key: &IdempotencyKey) -> usize {
     RECORD_OVERHEAD + scope.len() + key.as_str().len()
 }
 
-/// The bytes counted for a stored answer.
-pub(crate) fn answer_bytes(answer: &StoredResponse) -> usize {
-    let headers: usize = answer
-        .headers()
-        .iter()
-        .map(|(name, value)| name.as_str().len() + value.len())
-        .sum();
-    ANSWER_OVERHEAD + headers + answer.body().map_or(0, |b| b.len())
+/// The bytes counted for a stored answer whose encoding (its status, header names and values,
+/// body, and their lengths) takes `encoded` bytes.
+pub(crate) fn answer_bytes(encoded: usize) -> usize {
+    ANSWER_OVERHEAD + encoded
 }
 
 /// The limits and the counts of one store (shared by its clones).
