@@ -106,6 +106,10 @@ async fn a_full_store_answers_new_keys_503_and_still_replays_and_409s() {
     let (full, body) = send("new", "b").await;
     assert_eq!(full.status, StatusCode::SERVICE_UNAVAILABLE, "{body:?}");
     assert!(full.headers.contains_key(header::RETRY_AFTER));
+    assert!(
+        String::from_utf8_lossy(&body).contains("store-unavailable"),
+        "{body:?}"
+    );
     assert_eq!(calls.load(Ordering::SeqCst), 2, "the handler did not run");
 
     let (replay, body) = send("done", "a").await;
