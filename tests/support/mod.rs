@@ -16,6 +16,7 @@ use tower_idempotency::PostgresStore;
 use tower_idempotency::body::RequestBody;
 
 pub mod cluster;
+pub mod faults;
 pub mod proxy;
 
 /// The server the Postgres tests use: `DATABASE_URL`, or the local service.
