@@ -17,7 +17,11 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::sync::watch;
 use tower_idempotency::IdempotentTx;
 
-use super::{BoxBody, Calls, TestBody};
+use tower::Layer as _;
+use tower_idempotency::{IdempotencyLayer, PostgresStore};
+
+use super::proxy::Proxy;
+use super::{BoxBody, Calls, PgSchema, TestBody, database_url, unique};
 
 /// The address of the server behind `url` (to put a proxy in front of it).
 pub fn server_addr(url: &str) -> SocketAddr {
@@ -219,7 +223,7 @@ pub const PAYMENTS_TABLE: &str =
 
 /// A transactional-mode handler: counts its runs per path, inserts a `payments` row with the
 /// request's key through the request's transaction, then waits at `gate` (query `gate`),
-/// sleeps `ms=N`, and answers `201` with `payment <id>`. A failed statement is a `503` (the
+/// sleeps `ms=N`, and answers `201` with `payment <id>`, padded to `pad=N` bytes. A failed statement is a `503` (the
 /// database is unreachable), never a `500`.
 pub fn tx_handler(
     calls: Calls,
@@ -269,7 +273,12 @@ pub fn tx_handler(
             if ms > 0 {
                 tokio::time::sleep(Duration::from_millis(ms as u64)).await;
             }
-            Ok(answer(StatusCode::CREATED, format!("payment {id}")))
+            let mut body = format!("payment {id}");
+            let pad = query_num(&query, "pad");
+            while body.len() < pad {
+                body.push_str(" padding");
+            }
+            Ok(answer(StatusCode::CREATED, body))
         }
     })
 }
@@ -297,11 +306,7 @@ pub type App = Arc<
 /// Wraps a layered service into an [`App`].
 pub fn app<S, B>(svc: S) -> App
 where
-    S: tower::Service<Request<Full<Bytes>>, Response = Response<B>>
-        + Clone
-        + Send
-        + Sync
-        + 'static,
+    S: tower::Service<Request<Full<Bytes>>, Response = Response<B>> + Clone + Send + Sync + 'static,
     S::Future: Send,
     S::Error: std::fmt::Debug,
     B: http_body::Body<Data = Bytes> + Send + 'static,
@@ -316,12 +321,132 @@ where
 
 /// Sends `r` through `app`, failing the test if no answer comes within `within` (a hang);
 /// returns the answer and how long it took.
-pub async fn timed(app: &App, r: Request<Full<Bytes>>, within: Duration) -> (super::Answer, Duration) {
+pub async fn timed(
+    app: &App,
+    r: Request<Full<Bytes>>,
+    within: Duration,
+) -> (super::Answer, Duration) {
     let started = std::time::Instant::now();
     let answer = tokio::time::timeout(within, app(r))
         .await
         .unwrap_or_else(|_| panic!("no answer within {within:?}: the request hangs"));
     (answer, started.elapsed())
+}
+
+/// The two modes of the layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Mode {
+    Plain,
+    Transactional,
+}
+
+/// A schema on the test server, the layer's pool (named, through a proxy), and a separate
+/// admin pool for checks and for killing the layer's connections.
+pub struct Fx {
+    pub schema: PgSchema,
+    pub admin: PgPool,
+    /// The `application_name` of the layer's connections.
+    pub name: String,
+    pub store: PostgresStore,
+    pub proxy: Proxy,
+    pub calls: Calls,
+    pub gate: Arc<Gate>,
+    /// The layer's store timeout.
+    pub store_timeout: Duration,
+}
+
+impl Fx {
+    /// A fresh schema, the layer's pool of `max_connections` through a proxy, and layers
+    /// whose store calls are bounded by `store_timeout`.
+    pub async fn new(max_connections: u32, store_timeout: Duration) -> Fx {
+        let schema = PgSchema::new().await;
+        let admin = schema.pool(4).await;
+        let proxy = Proxy::start(server_addr(&database_url())).await;
+        let name = format!("ti_layer_{}", unique());
+        let pool = named_pool(
+            &database_url(),
+            Some(proxy.addr()),
+            &schema.name,
+            &name,
+            max_connections,
+        )
+        .await;
+        let store = PostgresStore::new(pool);
+        store.migrate().await.unwrap();
+        sqlx::raw_sql(PAYMENTS_TABLE).execute(&admin).await.unwrap();
+        Fx {
+            schema,
+            admin,
+            name,
+            store,
+            proxy,
+            calls: Calls::default(),
+            gate: Gate::new(),
+            store_timeout,
+        }
+    }
+
+    /// The layer in `mode` over the mode's handler (plain: [`plain_handler`], transactional:
+    /// [`tx_handler`]), with the default lease.
+    pub fn app(&self, mode: Mode) -> App {
+        self.app_with_lease(mode, Duration::from_secs(30))
+    }
+
+    /// [`Fx::app`] with a plain-mode lease of `lease`.
+    pub fn app_with_lease(&self, mode: Mode, lease: Duration) -> App {
+        match mode {
+            Mode::Plain => app(IdempotencyLayer::new(self.store.clone())
+                .with_lease(lease)
+                .with_store_timeout(self.store_timeout)
+                .layer(plain_handler(self.calls.clone(), self.gate.clone()))),
+            Mode::Transactional => app(IdempotencyLayer::new(self.store.transactional())
+                .with_store_timeout(self.store_timeout)
+                .layer(tx_handler(self.calls.clone(), self.gate.clone()))),
+        }
+    }
+
+    /// Committed payment rows of `key`.
+    pub async fn payments(&self, key: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM payments WHERE key = $1")
+            .bind(key)
+            .fetch_one(&self.admin)
+            .await
+            .unwrap()
+    }
+
+    /// The committed record of `key`: `None`, or its status (`None` while in progress) and
+    /// body.
+    pub async fn record(&self, key: &str) -> Option<(Option<i16>, Option<Vec<u8>>)> {
+        sqlx::query_as(
+            "SELECT response_status, response_body FROM tower_idempotency_keys WHERE key = $1",
+        )
+        .bind(key)
+        .fetch_optional(&self.admin)
+        .await
+        .unwrap()
+    }
+
+    /// Makes every commit that wrote to `table` (and matches `when`) sleep `secs` seconds
+    /// first: a deferred constraint trigger, which runs inside `COMMIT`.
+    pub async fn slow_commits(&self, table: &str, when: &str, secs: f64) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS
+                 $$ BEGIN PERFORM pg_sleep({secs}); RETURN NULL; END $$;
+             CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT OR UPDATE ON {table}
+                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN ({when})
+                 EXECUTE FUNCTION slow_commit();"
+        )))
+        .execute(&self.admin)
+        .await
+        .unwrap();
+    }
+
+    pub async fn cleanup(self) {
+        self.store.pool().close().await;
+        self.admin.close().await;
+        drop(self.proxy);
+        self.schema.drop_schema().await;
+    }
 }
 
 // TEMPORARY until the layer's store timeout lands on main: a no-op stand-in.
