@@ -21,14 +21,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::PgPool;
 use support::cluster::Cluster;
 use support::faults::{
-    App, Gate, PAYMENTS_TABLE, StoreTimeoutShim as _, app, backends, eventually, named_pool,
-    plain_handler, server_addr, terminate, timed, tx_handler, wait_for_backend,
+    Fx, Gate, Mode, PAYMENTS_TABLE, StoreTimeoutShim as _, app, backends, eventually, named_pool,
+    plain_handler, terminate, timed, tx_handler, wait_for_backend,
 };
-use support::proxy::Proxy;
-use support::{Calls, PgSchema, database_url, req, unique};
+use support::{Calls, req};
 use tower::Layer as _;
 use tower_idempotency::{IdempotencyLayer, PostgresStore};
 
@@ -39,108 +37,13 @@ const MARGIN: Duration = Duration::from_secs(3);
 /// Longer than any answer may take: a request still pending then hangs.
 const HANG: Duration = Duration::from_secs(30);
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Mode {
-    Plain,
-    Transactional,
-}
-
-/// A schema on the test server, the layer's pool (named, through a proxy), and a separate
-/// admin pool for checks and for killing the layer's connections.
-struct Fx {
-    schema: PgSchema,
-    admin: PgPool,
-    /// The `application_name` of the layer's connections.
-    name: String,
-    store: PostgresStore,
-    proxy: Proxy,
-    calls: Calls,
-    gate: Arc<Gate>,
-}
-
-impl Fx {
-    async fn new() -> Fx {
-        let schema = PgSchema::new().await;
-        let admin = schema.pool(4).await;
-        let proxy = Proxy::start(server_addr(&database_url())).await;
-        let name = format!("ti_layer_{}", unique());
-        let pool = named_pool(&database_url(), Some(proxy.addr()), &schema.name, &name, 8).await;
-        let store = PostgresStore::new(pool);
-        store.migrate().await.unwrap();
-        sqlx::raw_sql(PAYMENTS_TABLE).execute(&admin).await.unwrap();
-        Fx {
-            schema,
-            admin,
-            name,
-            store,
-            proxy,
-            calls: Calls::default(),
-            gate: Gate::new(),
-        }
-    }
-
-    fn app(&self, mode: Mode) -> App {
-        match mode {
-            Mode::Plain => app(IdempotencyLayer::new(self.store.clone())
-                .with_store_timeout(STORE_TIMEOUT)
-                .layer(plain_handler(self.calls.clone(), self.gate.clone()))),
-            Mode::Transactional => app(IdempotencyLayer::new(self.store.transactional())
-                .with_store_timeout(STORE_TIMEOUT)
-                .layer(tx_handler(self.calls.clone(), self.gate.clone()))),
-        }
-    }
-
-    /// Committed payment rows of `key`.
-    async fn payments(&self, key: &str) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM payments WHERE key = $1")
-            .bind(key)
-            .fetch_one(&self.admin)
-            .await
-            .unwrap()
-    }
-
-    /// The committed record of `key`: `None`, or its status (`None` while in progress) and
-    /// body.
-    async fn record(&self, key: &str) -> Option<(Option<i16>, Option<Vec<u8>>)> {
-        sqlx::query_as(
-            "SELECT response_status, response_body FROM tower_idempotency_keys WHERE key = $1",
-        )
-        .bind(key)
-        .fetch_optional(&self.admin)
-        .await
-        .unwrap()
-    }
-
-    /// Makes every commit that wrote to `table` (and matches `when`) sleep `secs` seconds
-    /// first: a deferred constraint trigger, which runs inside `COMMIT`.
-    async fn slow_commits(&self, table: &str, when: &str, secs: f64) {
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS
-                 $$ BEGIN PERFORM pg_sleep({secs}); RETURN NULL; END $$;
-             CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT OR UPDATE ON {table}
-                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN ({when})
-                 EXECUTE FUNCTION slow_commit();"
-        )))
-        .execute(&self.admin)
-        .await
-        .unwrap();
-    }
-
-    async fn cleanup(self) {
-        self.store.pool().close().await;
-        self.admin.close().await;
-        drop(self.proxy);
-        self.schema.drop_schema().await;
-    }
-}
-
 /// The layer's backend that is running the commit of an answer, asleep in the trigger.
 const IN_COMMIT: &str = "wait_event = 'PgSleep'";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_terminated_mid_claim_is_a_fast_503_and_the_retry_runs_once() {
     for mode in [Mode::Plain, Mode::Transactional] {
-        let fx = Fx::new().await;
+        let fx = Fx::new(8, STORE_TIMEOUT).await;
         let app = fx.app(mode);
         // Hold the keys' table, so that the claim waits on the lock: it is in flight.
         let mut lock = fx.admin.begin().await.unwrap();
@@ -197,7 +100,7 @@ async fn a_connection_terminated_mid_claim_is_a_fast_503_and_the_retry_runs_once
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_mode_connections_terminated_while_the_handler_runs_are_replaced_and_the_answer_stored()
  {
-    let fx = Fx::new().await;
+    let fx = Fx::new(8, STORE_TIMEOUT).await;
     let app = fx.app(Mode::Plain);
     let pending = tokio::spawn({
         let app = app.clone();
@@ -224,7 +127,7 @@ async fn plain_mode_connections_terminated_while_the_handler_runs_are_replaced_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactional_connection_terminated_while_the_handler_runs_is_503_and_the_retry_runs_once()
 {
-    let fx = Fx::new().await;
+    let fx = Fx::new(8, STORE_TIMEOUT).await;
     let app = fx.app(Mode::Transactional);
     let pending = tokio::spawn({
         let app = app.clone();
@@ -260,7 +163,7 @@ async fn transactional_connection_terminated_while_the_handler_runs_is_503_and_t
 /// `503` and the retry replays what committed. Never both runs committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactional_lost_commit_replays_if_it_committed_and_runs_if_it_did_not() {
-    let fx = Fx::new().await;
+    let fx = Fx::new(8, STORE_TIMEOUT).await;
     fx.slow_commits("payments", "true", 1.0).await;
     let app = fx.app(Mode::Transactional);
 
@@ -324,7 +227,7 @@ async fn transactional_lost_commit_replays_if_it_committed_and_runs_if_it_did_no
 /// answer); if it committed, the retry replays it byte for byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_mode_lost_completion_answers_and_never_runs_twice_or_stores_half() {
-    let fx = Fx::new().await;
+    let fx = Fx::new(8, STORE_TIMEOUT).await;
     fx.slow_commits(
         "tower_idempotency_keys",
         "NEW.response_status IS NOT NULL",
