@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use support::cluster::Cluster;
 use support::faults::{
-    Fx, Gate, Mode, PAYMENTS_TABLE, StoreTimeoutShim as _, app, backends, eventually, named_pool,
-    plain_handler, terminate, timed, tx_handler, wait_for_backend,
+    Fx, Gate, Mode, PAYMENTS_TABLE, app, backends, eventually, named_pool, plain_handler,
+    terminate, timed, tx_handler, wait_for_backend,
 };
 use support::{Calls, req};
 use tower::Layer as _;

@@ -226,3 +226,44 @@ async fn transactional_a_stall_during_the_commit_is_503_and_commits_once_at_most
     );
     fx.cleanup().await;
 }
+
+/// The handler answers a `5xx` while the network is stalled: the layer must roll its
+/// transaction back, which it cannot reach. The client still gets the handler's answer
+/// within the store timeout (not when the stalled connection finally dies), and nothing
+/// commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_a_stall_before_the_rollback_of_a_5xx_still_answers_within_the_bound() {
+    let fx = Fx::new(4, STORE_TIMEOUT).await;
+    let app = fx.app(Mode::Transactional);
+    let pending = tokio::spawn({
+        let app = app.clone();
+        async move {
+            timed(
+                &app,
+                req("POST", "/pay?gate&status=500", Some("k"), "b"),
+                HANG,
+            )
+            .await
+        }
+    });
+    fx.gate.reached(1).await;
+    fx.proxy.pause();
+    fx.gate.open();
+    let (answer, took) = pending.await.unwrap();
+    fx.proxy.resume();
+    assert_eq!(answer.status, 500, "{}", answer.text());
+    assert!(took < STORE_TIMEOUT + MARGIN, "the answer took {took:?}");
+    let retry = until_not_in_flight(Duration::from_secs(15), || async {
+        timed(&app, req("POST", "/pay", Some("k"), "b"), HANG)
+            .await
+            .0
+    })
+    .await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert_eq!(
+        fx.payments("k").await,
+        1,
+        "the 5xx run rolled back; the retry committed"
+    );
+    fx.cleanup().await;
+}

@@ -223,7 +223,8 @@ pub const PAYMENTS_TABLE: &str =
 
 /// A transactional-mode handler: counts its runs per path, inserts a `payments` row with the
 /// request's key through the request's transaction, then waits at `gate` (query `gate`),
-/// sleeps `ms=N`, and answers `201` with `payment <id>`, padded to `pad=N` bytes. A failed statement is a `503` (the
+/// sleeps `ms=N`, and answers `201` with `payment <id>`, padded to `pad=N` bytes (or the
+/// status `status=N`, with no padding). A failed statement is a `503` (the
 /// database is unreachable), never a `500`.
 pub fn tx_handler(
     calls: Calls,
@@ -272,6 +273,11 @@ pub fn tx_handler(
             let ms = query_num(&query, "ms");
             if ms > 0 {
                 tokio::time::sleep(Duration::from_millis(ms as u64)).await;
+            }
+            let status = query_num(&query, "status");
+            if status > 0 {
+                let status = StatusCode::from_u16(u16::try_from(status).unwrap()).unwrap();
+                return Ok(answer(status, format!("payment {id} answered {status}")));
             }
             let mut body = format!("payment {id}");
             let pad = query_num(&query, "pad");
@@ -371,7 +377,9 @@ impl Fx {
             max_connections,
         )
         .await;
-        let store = PostgresStore::new(pool);
+        // A lock timeout longer than the tests' locks: the test, not the store's bound, ends
+        // a claim that waits on a lock.
+        let store = PostgresStore::new(pool).with_lock_timeout(Duration::from_secs(10));
         store.migrate().await.unwrap();
         sqlx::raw_sql(PAYMENTS_TABLE).execute(&admin).await.unwrap();
         Fx {
@@ -446,15 +454,5 @@ impl Fx {
         self.admin.close().await;
         drop(self.proxy);
         self.schema.drop_schema().await;
-    }
-}
-
-// TEMPORARY until the layer's store timeout lands on main: a no-op stand-in.
-pub trait StoreTimeoutShim {
-    fn with_store_timeout(self, d: Duration) -> Self;
-}
-impl<St> StoreTimeoutShim for tower_idempotency::IdempotencyLayer<St> {
-    fn with_store_timeout(self, _: Duration) -> Self {
-        self
     }
 }
