@@ -15,6 +15,10 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tower_idempotency::PostgresStore;
 use tower_idempotency::body::RequestBody;
 
+pub mod cluster;
+pub mod faults;
+pub mod proxy;
+
 /// The server the Postgres tests use: `DATABASE_URL`, or the local service.
 pub fn database_url() -> String {
     std::env::var("DATABASE_URL")
