@@ -251,17 +251,26 @@ impl std::fmt::Debug for IdempotentTx {
 /// connection: Postgres rolls the transaction back and releases its locks.
 struct OpenTx {
     conn: Option<PoolConnection<Postgres>>,
+    /// The layer's bound on one store call: a rollback that takes longer closes the
+    /// connection instead (Postgres then rolls back on its own).
+    bound: Duration,
 }
 
 impl OpenTx {
     /// Rolls the transaction back and returns the connection to the pool (closing it if the
     /// rollback fails).
     async fn rollback(mut self) {
-        if let Some(mut conn) = self.conn.take()
-            && let Err(e) = sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await
-        {
-            tracing::debug!(error = &e as &dyn std::error::Error, "rollback failed");
-            conn.close_on_drop();
+        let bound = self.bound;
+        let rolled_back = async {
+            let conn = self.conn()?;
+            sqlx::raw_sql("ROLLBACK").execute(conn).await?;
+            Ok::<_, StoreError>(())
+        };
+        match tokio::time::timeout(bound, rolled_back).await {
+            Ok(Ok(())) => self.ended(),
+            // Dropping `self` closes the connection: no transaction goes back to the pool.
+            Ok(Err(e)) => tracing::debug!(error = &e as &dyn std::error::Error, "rollback failed"),
+            Err(_) => tracing::debug!("rollback timed out; closing the connection"),
         }
     }
 
@@ -503,6 +512,7 @@ async fn claim(
     scope: &str,
     key: &str,
     fingerprint: &[u8],
+    bound: Duration,
 ) -> Result<Result<(OpenTx, Placeholder), Taken>, StoreError> {
     let bounds = tx_mode.store.bounds();
     let batch = claim_batch(scope, key, fingerprint, tx_mode.isolation, bounds)?;
@@ -510,7 +520,10 @@ async fn claim(
         let conn = tx_mode.store.pool().acquire().await.map_err(db_error)?;
         // From here a drop (the request went away mid-batch) closes the connection, so no
         // transaction can go back to the pool open.
-        let mut tx = OpenTx { conn: Some(conn) };
+        let mut tx = OpenTx {
+            conn: Some(conn),
+            bound,
+        };
         let rows = sqlx::raw_sql(AssertSqlSafe(batch.as_str()))
             .fetch_all(tx.conn()?)
             .await;
@@ -656,7 +669,13 @@ impl Sealed for Transactional {
             render(&config, &Rejection::StoreUnavailable)
         };
 
-        let claim = claim(&self, &scope, key.as_str(), fingerprint.as_bytes());
+        let claim = claim(
+            &self,
+            &scope,
+            key.as_str(),
+            fingerprint.as_bytes(),
+            config.store_timeout,
+        );
         let claimed = store_call("claim", config.store_timeout, claim).await;
         let (tx, placeholder) = match claimed {
             Ok(Ok(claimed)) => claimed,

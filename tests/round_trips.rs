@@ -1,12 +1,13 @@
 //! How many statements each path of the Postgres store sends, counted on the wire.
 //!
 //! The store's pool connects through a small TCP proxy on `127.0.0.1:0` that forwards to
-//! Postgres and counts the frontend messages by type. sqlx uses the extended query protocol
-//! and caches prepared statements per connection, so once the connection is warm a statement
-//! is one Bind + Execute + Sync: the number of Execute (`E`) messages is the number of
-//! statements, and Parse (`P`) and simple Query (`Q`) messages stay at zero in plain mode. In
-//! transactional mode sqlx sends `BEGIN`, `COMMIT` and `ROLLBACK` as simple Queries; the proxy
-//! records their text. The pool has one connection and the counts are taken between two
+//! Postgres and counts the frontend messages by type. The store sends each of its statements
+//! as one simple Query (`Q`) message (so that a pooler in transaction mode can carry it),
+//! its `statement_timeout` and `lock_timeout` set with `SET LOCAL` in front of it in the same
+//! message: the number of `Q` messages is the number of round trips, and Parse (`P`) and
+//! Execute (`E`) messages stay at zero. The proxy records the text of every `Q` message.
+//! sqlx's own queries (the handler's, in the transactional test) use the extended protocol:
+//! Bind + Execute + Sync. The pool has one connection and the counts are taken between two
 //! points after it is warmed, so sqlx's own connection set-up is not counted.
 //!
 //! Plain mode is checked with each [`ClaimStrategy`]; transactional mode against the same
@@ -460,11 +461,18 @@ async fn plain_mode_counts(strategy: ClaimStrategy, expected: Expected) {
     assert_eq!(first.status, 201, "{}", first.text());
     assert!(!first.replayed());
     assert_eq!(
-        cost.execute(),
+        cost.query(),
         expected.first,
         "{strategy:?}, a first request: {cost:?}"
     );
-    assert_eq!((cost.parse(), cost.query()), (0, 0), "{cost:?}");
+    assert_eq!((cost.parse(), cost.execute()), (0, 0), "{cost:?}");
+    // Every message carries the store's bounds.
+    for q in proxy.queries().iter().rev().take(expected.first) {
+        assert!(
+            q.starts_with("SET LOCAL statement_timeout = 5000; SET LOCAL lock_timeout = 1000; "),
+            "{q}"
+        );
+    }
 
     // A replay, which finds the completed record.
     let token_before = last_token().await;
@@ -478,17 +486,17 @@ async fn plain_mode_counts(strategy: ClaimStrategy, expected: Expected) {
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
     assert_eq!(
-        cost.execute(),
+        cost.query(),
         expected.replay,
         "{strategy:?}, a replay: {cost:?}"
     );
-    assert_eq!((cost.parse(), cost.query()), (0, 0), "{cost:?}");
+    assert_eq!((cost.parse(), cost.execute()), (0, 0), "{cost:?}");
 
     // The key with another body: answered 422.
     let (reused, cost) = send(&svc, &proxy, "/ok", "k1", "another body").await;
     assert_eq!(reused.status, 422);
     assert_eq!(
-        cost.execute(),
+        cost.query(),
         expected.reused,
         "{strategy:?}, a reused key: {cost:?}"
     );
@@ -497,7 +505,7 @@ async fn plain_mode_counts(strategy: ClaimStrategy, expected: Expected) {
     let (failed, cost) = send(&svc, &proxy, "/fail", "k2", "body").await;
     assert_eq!(failed.status, 500);
     assert_eq!(
-        cost.execute(),
+        cost.query(),
         expected.failed,
         "{strategy:?}, a 5xx: {cost:?}"
     );
@@ -607,7 +615,9 @@ fn statements(queries: &[String]) -> Vec<String> {
         .flat_map(|q| q.split("; "))
         .map(|stmt| {
             let stmt = stmt.trim();
-            if let Some(call) = stmt.strip_prefix("SELECT ") {
+            if let Some(bound) = stmt.strip_prefix("SET LOCAL ") {
+                format!("SET {}", bound.split(' ').next().unwrap_or(bound))
+            } else if let Some(call) = stmt.strip_prefix("SELECT ") {
                 match call.strip_prefix('\'') {
                     // `SELECT 'step' AS step, …`: the transactional batches name their steps.
                     Some(named) => named.split('\'').next().unwrap_or(named).to_owned(),
@@ -670,11 +680,19 @@ async fn transactional_mode_adds_two_statements_and_no_commit() {
         statements(&first_q),
         [
             "BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY",
+            "SET statement_timeout",
+            "SET lock_timeout",
             "look",
             "COMMIT",
             "BEGIN",
+            "set_config",
+            "SET statement_timeout",
+            "SET lock_timeout",
             "claim",
+            "set_config",
             "SAVEPOINT tower_idempotency_handler",
+            "SET statement_timeout",
+            "SET lock_timeout",
             "tower_idempotency_complete_tx",
             "COMMIT",
         ],
@@ -700,10 +718,16 @@ async fn transactional_mode_adds_two_statements_and_no_commit() {
         statements(&replay_q),
         [
             "BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY",
+            "SET statement_timeout",
+            "SET lock_timeout",
             "look",
             "COMMIT",
             "BEGIN",
+            "set_config",
+            "SET statement_timeout",
+            "SET lock_timeout",
             "claim",
+            "set_config",
             "SAVEPOINT tower_idempotency_handler",
             "ROLLBACK"
         ],
