@@ -1316,7 +1316,7 @@ impl Writer {
                 .await?;
                 // Through the transaction: it sees the new address, and it takes no second
                 // connection from the pool.
-                Ok(select_order(&mut *conn, tenant, order_id).await?)
+                Ok(select_order(&mut conn, tenant, order_id).await?)
             }
         }
     }
