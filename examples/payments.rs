@@ -50,6 +50,7 @@
 //! | `DATABASE_URL` | unset | unset: everything in memory. Set: Postgres store (migrated at start) in transactional mode; data in `example_*` tables, written in the same transaction as the key |
 //! | `IDEMPOTENCY_TTL_SECS` | `86400` | how long a key is remembered ([`IdempotencyLayer::with_ttl`]) |
 //! | `IDEMPOTENCY_LEASE_MS` | `30000` | how long a claim holds a key ([`IdempotencyLayer::with_lease`]); in memory only: in Postgres a claim lasts as long as its transaction |
+//! | `IDEMPOTENCY_STORE_TIMEOUT_MS` | `5000` | the longest one store call may take ([`IdempotencyLayer::with_store_timeout`]; in Postgres also the store's own `statement_timeout`): a store that does not answer in time is answered `503` with `Retry-After` |
 //! | `CHARGE_DELAY_MS` | `0` | how long the provider takes for each new charge |
 //! | `MAX_BODY_BYTES` | `1048576` | larger request bodies are answered `413` |
 //! | `IDEMPOTENCY` | `on` | `off`: the same routes without the layer (a baseline for benchmarks) |
@@ -129,6 +130,7 @@ struct Config {
     database_url: Option<String>,
     ttl: Duration,
     lease: Duration,
+    store_timeout: Duration,
     charge_delay: Duration,
     max_body_bytes: usize,
     /// `false` (`IDEMPOTENCY=off`): the same routes and handlers, without the layer.
@@ -153,6 +155,7 @@ impl Config {
             database_url: var("DATABASE_URL")?.filter(|url| !url.is_empty()),
             ttl: Duration::from_secs(positive("IDEMPOTENCY_TTL_SECS", 86_400)?),
             lease: Duration::from_millis(positive("IDEMPOTENCY_LEASE_MS", 30_000)?),
+            store_timeout: Duration::from_millis(positive("IDEMPOTENCY_STORE_TIMEOUT_MS", 5_000)?),
             charge_delay: Duration::from_millis(number("CHARGE_DELAY_MS", 0)?),
             max_body_bytes: number("MAX_BODY_BYTES", 1024 * 1024)?,
             idempotency,
@@ -247,7 +250,8 @@ async fn serve(config: Config) -> Result<(), BoxError> {
     // Expired keys are never replayed, but they take space until deleted: purge them.
     let (router, purge) = match storage.pools() {
         Some((payments, provider)) if config.idempotency => {
-            let store = PostgresStore::new(payments.clone());
+            let store =
+                PostgresStore::new(payments.clone()).with_statement_timeout(config.store_timeout);
             store
                 .migrate()
                 .await
@@ -255,7 +259,9 @@ async fn serve(config: Config) -> Result<(), BoxError> {
             // One table for every layer, so one purge task.
             let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH);
             // Transactional mode: each layer opens its transactions on its service's pool.
-            let provider_store = PostgresStore::new(provider.clone()).transactional();
+            let provider_store = PostgresStore::new(provider.clone())
+                .with_statement_timeout(config.store_timeout)
+                .transactional();
             let router = app(&config, &storage, store.transactional(), provider_store);
             (router, purge)
         }
@@ -356,6 +362,7 @@ fn app<M: Mode>(
             IdempotencyLayer::new(store.clone())
                 .with_ttl(config.ttl)
                 .with_lease(config.lease)
+                .with_store_timeout(config.store_timeout)
                 .with_max_request_body(config.max_body_bytes)
         })
     };

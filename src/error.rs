@@ -21,6 +21,12 @@ pub enum StoreError {
     /// The store's schema is missing or older than this crate needs (run `migrate()`).
     #[error("idempotency store schema is not ready: {0}")]
     Schema(String),
+    /// The store did not answer within the layer's bound
+    /// ([`with_store_timeout`](crate::IdempotencyLayer::with_store_timeout)), or the
+    /// database cancelled the store's statement at its own bound (`statement_timeout`,
+    /// `lock_timeout`). Whether a write that timed out took effect is unknown.
+    #[error("idempotency store did not answer within {0:?}")]
+    Timeout(std::time::Duration),
 }
 
 impl StoreError {

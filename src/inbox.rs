@@ -60,10 +60,11 @@
 
 use std::time::Duration;
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 
 use crate::error::StoreError;
 use crate::store::postgres::{db_error, migrate, millis};
+use crate::store::sql::{Lit, fill};
 
 /// Whether [`Inbox::process`] ran the work.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,14 +108,24 @@ pub enum InboxError<E> {
 #[derive(Clone, Debug)]
 pub struct Inbox {
     pool: PgPool,
+    lock_timeout: Duration,
 }
 
 const MAX_MESSAGE_ID: usize = 1024;
 
+/// Records the message ID, waiting at most the inbox's lock timeout (`$3`, ms) for a
+/// concurrent delivery of the same message; the work's own `lock_timeout` is put back after.
 const RECORD: &str = "
+SELECT set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true);
+SELECT set_config('lock_timeout', $3::text || 'ms', true);
 INSERT INTO tower_idempotency_processed_messages (consumer, message_id)
 VALUES ($1, $2)
-ON CONFLICT (consumer, message_id) DO NOTHING";
+ON CONFLICT (consumer, message_id) DO NOTHING
+RETURNING true AS recorded;
+SELECT set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true)";
+
+/// The default [`Inbox::with_lock_timeout`].
+const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Whether the ID is recorded, as the statement's transaction sees it.
 const STILL_RECORDED: &str = "
@@ -145,7 +156,21 @@ impl Inbox {
     /// An inbox on `pool`. Run [`migrate`](Inbox::migrate) (or
     /// [`PostgresStore::migrate`](crate::PostgresStore::migrate): the same migrations) first.
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+        }
+    }
+
+    /// How long [`process`](Inbox::process) waits for another delivery of the same message
+    /// that is being processed right now (default 5 s; zero waits as long as it takes).
+    /// When the other delivery commits in time, this one is [`Delivery::Duplicate`]; when it
+    /// does not, this one fails with [`InboxError::Store`] and nothing is committed: do not
+    /// acknowledge it, and the broker's redelivery finds the ID committed (or runs the work,
+    /// if the other delivery failed).
+    pub fn with_lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout;
+        self
     }
 
     /// The pool this inbox uses.
@@ -187,15 +212,24 @@ impl Inbox {
         if message_id.is_empty() || message_id.len() > MAX_MESSAGE_ID {
             return Err(InboxError::InvalidMessageId);
         }
+        let record = fill(
+            RECORD,
+            &[
+                Lit::Text(consumer),
+                Lit::Text(message_id),
+                Lit::Int(millis(self.lock_timeout)),
+            ],
+        )?;
         let mut tx = self.pool.begin().await.map_err(db_error)?;
-        // Waits only if another transaction inserted the same ID and has not ended yet.
-        let recorded = match sqlx::query(RECORD)
-            .bind(consumer)
-            .bind(message_id)
-            .execute(&mut *tx)
+        // Waits only if another transaction inserted the same ID and has not ended yet. Sent
+        // as one simple-protocol message (no prepared statement: see `crate::store::sql`).
+        let recorded = match sqlx::raw_sql(AssertSqlSafe(record))
+            .fetch_all(&mut *tx)
             .await
         {
-            Ok(recorded) => recorded,
+            Ok(rows) => rows
+                .iter()
+                .any(|r| r.try_get::<bool, _>("recorded").is_ok()),
             // Repeatable read or serializable: a delivery of the same message committed
             // after this transaction's snapshot, so the conflict is an error, not a no-op.
             Err(err) if has_sqlstate(&err, SERIALIZATION_FAILURE) => {
@@ -204,7 +238,7 @@ impl Inbox {
             }
             Err(err) => return Err(db_error(err).into()),
         };
-        if recorded.rows_affected() == 0 {
+        if !recorded {
             tx.rollback().await.map_err(db_error)?;
             return Ok(Delivery::Duplicate);
         }
@@ -217,9 +251,12 @@ impl Inbox {
         // transaction (work that ended the transaction itself took the ID with it). One
         // round trip; sending it together with the COMMIT would mean a COMMIT behind the
         // back of sqlx's transaction bookkeeping.
+        // In the transaction a pooler keeps this client's server connection: the unnamed
+        // statement of a bound query is safe here (a named one would outlive it).
         let pending = match sqlx::query_scalar(STILL_RECORDED)
             .bind(consumer)
             .bind(message_id)
+            .persistent(false)
             .fetch_one(&mut *tx)
             .await
         {
@@ -244,12 +281,15 @@ impl Inbox {
         failure: sqlx::Error,
     ) -> Result<Delivery<T>, InboxError<E>> {
         // A statement of its own: a fresh snapshot, whatever the isolation level.
-        let committed: bool = sqlx::query_scalar(STILL_RECORDED)
-            .bind(consumer)
-            .bind(message_id)
+        let still = fill(
+            STILL_RECORDED,
+            &[Lit::Text(consumer), Lit::Text(message_id)],
+        )?;
+        let row = sqlx::raw_sql(AssertSqlSafe(still))
             .fetch_one(&self.pool)
             .await
             .map_err(db_error)?;
+        let committed: bool = row.try_get(0).map_err(db_error)?;
         if committed {
             Ok(Delivery::Duplicate)
         } else {
@@ -271,9 +311,8 @@ impl Inbox {
         let batch = i64::try_from(batch_size.max(1)).unwrap_or(i64::MAX);
         let mut deleted = 0;
         loop {
-            let done = sqlx::query(PURGE)
-                .bind(millis(age))
-                .bind(batch)
+            let purge = fill(PURGE, &[Lit::Int(millis(age)), Lit::Int(batch)])?;
+            let done = sqlx::raw_sql(AssertSqlSafe(purge))
                 .execute(&self.pool)
                 .await
                 .map_err(db_error)?;

@@ -13,6 +13,9 @@ use tower_layer::Layer;
 use crate::rejection::Rejection;
 use crate::service::Idempotency;
 
+/// The default bound of one store call ([`IdempotencyLayer::with_store_timeout`]).
+pub(crate) const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The default header: `Idempotency-Key`.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
@@ -34,6 +37,7 @@ pub(crate) struct Config {
     pub(crate) key_required: bool,
     pub(crate) lease: Duration,
     pub(crate) ttl: Duration,
+    pub(crate) store_timeout: Duration,
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
     pub(crate) store_server_errors: bool,
@@ -54,6 +58,7 @@ impl Default for Config {
             key_required: true,
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(24 * 3600),
+            store_timeout: DEFAULT_STORE_TIMEOUT,
             max_request_body: 1024 * 1024,
             max_response_body: 1024 * 1024,
             store_server_errors: false,
@@ -105,6 +110,7 @@ impl fmt::Debug for Config {
             .field("key_required", &self.key_required)
             .field("lease", &self.lease)
             .field("ttl", &self.ttl)
+            .field("store_timeout", &self.store_timeout)
             .field("max_request_body", &self.max_request_body)
             .field("max_response_body", &self.max_response_body)
             .field("store_server_errors", &self.store_server_errors)
@@ -269,6 +275,25 @@ impl<St> IdempotencyLayer<St> {
     /// and its answer is then replayed for the TTL.
     pub fn with_ttl(self, ttl: Duration) -> Self {
         self.with(|c| c.ttl = ttl)
+    }
+
+    /// The longest the layer waits for one store call (default 5 s): a claim, the storing of
+    /// an answer, a release, a renewal; in transactional mode, the claim's statements and the
+    /// commit. Waiting for a pooled connection counts: an exhausted pool or a stalled network
+    /// is answered within this bound.
+    ///
+    /// A claim that does not answer in time is answered `503` with `Retry-After` (the handler
+    /// did not run; a retry with the same key is safe). When the storing of an answer times
+    /// out, the client still gets the answer and the key waits for its lease (plain mode), or
+    /// — in transactional mode, where the answer commits with the handler's writes — the
+    /// client gets `503` and a retry replays if the commit happened and runs if it did not.
+    /// Values below 10 ms are raised to 10 ms.
+    ///
+    /// Keep the Postgres store's own bounds
+    /// ([`PostgresStore::with_statement_timeout`](crate::PostgresStore::with_statement_timeout))
+    /// at or below this one, so the database gives up on a statement the layer gave up on.
+    pub fn with_store_timeout(self, timeout: Duration) -> Self {
+        self.with(|c| c.store_timeout = timeout.max(Duration::from_millis(10)))
     }
 
     /// The largest request body accepted on a keyed request, in bytes (default 1 MiB).

@@ -36,7 +36,7 @@ use crate::rejection::Rejection;
 use crate::response::StoredResponse;
 use crate::service::{
     Buffered, Outcome, Taken, ToStore, answer_taken, log_store_error, read_request, record, render,
-    to_store,
+    store_call, to_store,
 };
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
 
@@ -205,7 +205,7 @@ where
         };
         // The lease runs from some moment after this: renewals count from here.
         let claimed_at = Instant::now();
-        let answer = match store.claim(request).await {
+        let answer = match store_call("claim", config.store_timeout, store.claim(request)).await {
             Ok(ClaimOutcome::Acquired { token, takeover }) => {
                 record(if takeover {
                     Outcome::Takeover
@@ -219,6 +219,7 @@ where
                         key,
                         token,
                         claimed_at,
+                        timeout: config.store_timeout,
                     },
                     parts,
                     buffered,
@@ -472,15 +473,7 @@ fn poll_renewal<St: Store>(
     if let Renewal::Idle = renewal
         && let Some(held) = &guard.held
     {
-        *renewal = Renewal::Running(Box::pin(renew(
-            held.store.clone(),
-            held.scope.clone(),
-            held.key.clone(),
-            held.token,
-            held.claimed_at,
-            lease,
-            signal.clone(),
-        )));
+        *renewal = Renewal::Running(Box::pin(renew(held.clone(), lease, signal.clone())));
     }
     if let Renewal::Running(task) = renewal
         && task.as_mut().poll(cx).is_ready()
@@ -492,27 +485,28 @@ fn poll_renewal<St: Store>(
 /// Renews the lease every third of it; marks it lost (and ends) when the store says the key
 /// is no longer this claim's, and marks it lost (renewing on) when no renewal succeeded for a
 /// whole lease since the last one that did (or the claim) was sent.
-async fn renew<St: Store>(
-    store: St,
-    scope: String,
-    key: IdempotencyKey,
-    token: LeaseToken,
-    claimed_at: Instant,
-    lease: Duration,
-    signal: Lease,
-) {
+async fn renew<St: Store>(held: Held<St>, lease: Duration, signal: Lease) {
+    let Held {
+        store,
+        scope,
+        key,
+        token,
+        claimed_at,
+        timeout,
+    } = held;
     let period = lease / 3;
     let mut confirmed = claimed_at;
     loop {
         tokio::time::sleep(period).await;
         let sent = Instant::now();
         // A renewal slower than a period counts as failed: the next one is due.
-        match tokio::time::timeout(period, store.renew(&scope, &key, token, lease)).await {
-            Ok(Ok(true)) => {
+        let renewal = store.renew(&scope, &key, token, lease);
+        match store_call("renew", period.min(timeout), renewal).await {
+            Ok(true) => {
                 confirmed = sent;
                 tracing::trace!("idempotency lease renewed");
             }
-            Ok(Ok(false)) => {
+            Ok(false) => {
                 if signal.lose() {
                     tracing::warn!(
                         "idempotency lease lost: another request holds the key now (the lease \
@@ -525,8 +519,7 @@ async fn renew<St: Store>(
                 return;
             }
             // Tried again at the next period; the lease outlives two missed renewals.
-            Ok(Err(err)) => log_store_error(&err, "renew a lease"),
-            Err(_) => tracing::warn!("renewing an idempotency lease timed out"),
+            Err(err) => log_store_error(&err, "renew a lease"),
         }
         if confirmed.elapsed() >= lease && signal.lose() {
             tracing::warn!(
@@ -537,6 +530,7 @@ async fn renew<St: Store>(
     }
 }
 
+#[derive(Clone)]
 struct Held<St> {
     store: St,
     scope: String,
@@ -544,6 +538,8 @@ struct Held<St> {
     token: LeaseToken,
     /// When the claim was sent: the lease runs from some moment after it.
     claimed_at: Instant,
+    /// The layer's bound on one store call.
+    timeout: Duration,
 }
 
 /// Releases a claimed key on drop (in a task), unless its `held` was taken.
@@ -555,11 +551,10 @@ impl<St: Store> Held<St> {
     /// Stores the answer. On failure the key is not released (the work was done): it is left
     /// to its lease, so a retry cannot run the handler twice while the store is failing.
     async fn complete(self, stored: &StoredResponse, ttl: Duration) {
-        match self
+        let complete = self
             .store
-            .complete(&self.scope, &self.key, self.token, stored, ttl)
-            .await
-        {
+            .complete(&self.scope, &self.key, self.token, stored, ttl);
+        match store_call("complete", self.timeout, complete).await {
             Ok(true) => {}
             Ok(false) => tracing::warn!(
                 "idempotency lease was lost while the handler ran (another request took the key \
@@ -573,7 +568,8 @@ impl<St: Store> Held<St> {
     }
 
     async fn release(self) {
-        match self.store.release(&self.scope, &self.key, self.token).await {
+        let release = self.store.release(&self.scope, &self.key, self.token);
+        match store_call("release", self.timeout, release).await {
             Ok(_) => tracing::debug!("idempotency key released"),
             Err(err) => {
                 log_store_error(&err, "release a key; it stays locked until its lease ends")

@@ -190,7 +190,9 @@ impl Rejection {
 
     /// Renders the rejection as an `application/problem+json` response.
     ///
-    /// `409 in progress` carries `Retry-After`; `503` carries `Retry-After: 1`.
+    /// `409 in progress` carries `Retry-After`; `503` carries a `Retry-After` of 1 to 3 s,
+    /// chosen at random, so that clients turned away together by a store outage do not all
+    /// come back in the same second.
     pub fn to_response(&self) -> Response<Bytes> {
         let status = self.status();
         let mut body = String::with_capacity(256);
@@ -212,7 +214,7 @@ impl Rejection {
             .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         let retry = match self {
             Self::InFlight { retry_after } => Some(retry_after_secs(*retry_after)),
-            Self::StoreUnavailable => Some(1),
+            Self::StoreUnavailable => Some(spread_retry_after()),
             _ => None,
         };
         if let Some(secs) = retry {
@@ -231,6 +233,16 @@ fn header_name(name: &HeaderName) -> &str {
     } else {
         name.as_str()
     }
+}
+
+/// A `Retry-After` for a `503`: 1, 2 or 3 s, at random. (A store outage turns every client
+/// away at once; the same hint for all would bring them back as one stampede.)
+fn spread_retry_after() -> u64 {
+    use std::hash::BuildHasher;
+    // Each `RandomState` has its own random keys: hashing the time with it is random enough
+    // to spread clients, and needs no random-number crate.
+    let r = std::collections::hash_map::RandomState::new().hash_one(std::time::Instant::now());
+    1 + r % 3
 }
 
 /// `Retry-After` is whole seconds; round up and never say 0.

@@ -312,6 +312,49 @@ pub(crate) fn record(outcome: Outcome) {
         .increment(1);
 }
 
+/// Runs one store call (`operation` names it in metrics: `claim`, `complete`, `release`,
+/// `renew`, `commit`), bounded by the layer's store timeout: a call that does not answer in
+/// time is dropped and becomes [`StoreError::Timeout`].
+pub(crate) async fn store_call<T>(
+    operation: &'static str,
+    limit: Duration,
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    #[cfg(feature = "metrics")]
+    let started = std::time::Instant::now();
+    // Outside a Tokio runtime (a keyed request polled by another executor) there is no
+    // timer to bound the call with: it runs unbounded, as the store itself allows.
+    let result = if tokio::runtime::Handle::try_current().is_err() {
+        call.await
+    } else {
+        match tokio::time::timeout(limit, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(limit)),
+        }
+    };
+    #[cfg(feature = "metrics")]
+    {
+        metrics::histogram!("tower_idempotency_store_call_seconds", "operation" => operation)
+            .record(started.elapsed().as_secs_f64());
+        if let Err(err) = &result {
+            let kind = if matches!(err, StoreError::Timeout(_)) {
+                "timeout"
+            } else {
+                "error"
+            };
+            metrics::counter!(
+                "tower_idempotency_store_errors_total",
+                "operation" => operation,
+                "kind" => kind
+            )
+            .increment(1);
+        }
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = operation;
+    result
+}
+
 pub(crate) fn log_store_error(err: &StoreError, what: &'static str) {
     tracing::error!(
         error = err as &dyn std::error::Error,

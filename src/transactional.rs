@@ -114,12 +114,14 @@ use crate::mode::{Keyed, Mode, Sealed};
 use crate::rejection::Rejection;
 use crate::response::StoredResponse;
 use crate::service::{
-    Outcome, Prepared, Taken, answer_taken, log_store_error, prepare, record, render, to_store,
+    Outcome, Prepared, Taken, answer_taken, log_store_error, prepare, record, render, store_call,
+    to_store,
 };
 use crate::store::PostgresStore;
 use crate::store::postgres::{
     db_error, decode_response, is_serialization_failure, millis, status_column,
 };
+use crate::store::sql::{push_bounds, push_bytea, push_text};
 
 /// A [`PostgresStore`] in transactional mode; made by
 /// [`PostgresStore::transactional`]. Use it as the layer's store:
@@ -342,60 +344,6 @@ fn sqlstate(err: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
     err.as_database_error().and_then(|db| db.code())
 }
 
-/// Appends `bytes` to `sql` as an expression of type `bytea`. Only hex digits are copied into
-/// the statement, so no value can change its meaning.
-fn push_bytea(sql: &mut String, bytes: &[u8]) {
-    sql.reserve(bytes.len() * 2 + 24);
-    sql.push_str("decode('");
-    push_hex(sql, bytes);
-    sql.push_str("','hex')");
-}
-
-fn push_hex(sql: &mut String, bytes: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for &b in bytes {
-        sql.push(char::from(HEX[usize::from(b >> 4)]));
-        sql.push(char::from(HEX[usize::from(b & 0xf)]));
-    }
-}
-
-/// Appends `text` to `sql` as an expression of type `text` whose meaning does not depend on
-/// any session setting.
-///
-/// Only ASCII ever reaches the statement: ASCII text (keys are ASCII; scopes reach stores as
-/// a hex digest) as an escape-string constant `E'…'` with quotes and backslashes doubled,
-/// which reads the same whatever `standard_conforming_strings` and `backslash_quote` say, and
-/// in every client encoding (all of them are ASCII supersets); any other text as hex bytes
-/// converted on the server (`convert_from(…, 'UTF8')`), so a client encoding such as SJIS or
-/// BIG5, whose multibyte characters can contain the byte of a backslash or a quote, cannot
-/// move the end of the constant. A NUL would end the statement early (the protocol's strings
-/// are NUL-terminated); Postgres text cannot hold one anyway, so it is an error here too.
-fn push_text(sql: &mut String, text: &str) -> Result<(), StoreError> {
-    if text.contains('\0') {
-        return Err(StoreError::backend(
-            "a scope or key contains a NUL character",
-        ));
-    }
-    if !text.is_ascii() {
-        sql.reserve(text.len() * 2 + 40);
-        sql.push_str("convert_from(decode('");
-        push_hex(sql, text.as_bytes());
-        sql.push_str("','hex'),'UTF8')");
-        return Ok(());
-    }
-    sql.reserve(text.len() + 3);
-    sql.push_str("E'");
-    for c in text.chars() {
-        match c {
-            '\'' => sql.push_str("''"),
-            '\\' => sql.push_str("\\\\"),
-            c => sql.push(c),
-        }
-    }
-    sql.push('\'');
-    Ok(())
-}
-
 /// The record's columns, as the claim function returns them.
 const RECORD_COLUMNS: &str = "k.fingerprint, k.lease_token, \
      (extract(epoch FROM k.lease_expires_at - now()) * 1000)::bigint AS lease_left_ms, \
@@ -422,6 +370,7 @@ fn claim_batch(
     key: &str,
     fingerprint: &[u8],
     isolation: Option<IsolationLevel>,
+    (statement_timeout, lock_timeout): (Duration, Duration),
 ) -> Result<String, StoreError> {
     let mut s_arg = String::with_capacity(scope.len() + 8);
     push_text(&mut s_arg, scope)?;
@@ -431,7 +380,9 @@ fn claim_batch(
     push_bytea(&mut fp_arg, fingerprint);
 
     let mut sql = String::with_capacity(900 + 2 * (s_arg.len() + k_arg.len() + fp_arg.len()));
-    sql.push_str("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SELECT 'look' AS step, ");
+    sql.push_str("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; ");
+    push_bounds(&mut sql, statement_timeout, lock_timeout);
+    sql.push_str("SELECT 'look' AS step, ");
     sql.push_str(RECORD_COLUMNS);
     sql.push_str(" FROM tower_idempotency_keys AS k WHERE k.scope = ");
     sql.push_str(&s_arg);
@@ -444,13 +395,26 @@ fn claim_batch(
     sql.push_str(&fp_arg);
     sql.push_str("); COMMIT; ");
     sql.push_str(isolation.map_or("BEGIN", IsolationLevel::begin));
-    sql.push_str("; SELECT 'claim' AS step, c.* FROM tower_idempotency_claim_tx(");
+    // The store's bounds hold for the claim only: the settings in force before are kept in
+    // two settings of the crate's own and put back before the handler's statements.
+    sql.push_str(
+        "; SELECT set_config('tower_idempotency.statement_timeout', \
+         current_setting('statement_timeout'), true), \
+         set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true); ",
+    );
+    push_bounds(&mut sql, statement_timeout, lock_timeout);
+    sql.push_str("SELECT 'claim' AS step, c.* FROM tower_idempotency_claim_tx(");
     sql.push_str(&lock_id(scope, key).to_string());
     for arg in [&s_arg, &k_arg, &fp_arg] {
         sql.push(',');
         sql.push_str(arg);
     }
-    sql.push_str(") AS c; SAVEPOINT ");
+    sql.push_str(
+        ") AS c; SELECT set_config('statement_timeout', \
+         current_setting('tower_idempotency.statement_timeout'), true), \
+         set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true); \
+         SAVEPOINT ",
+    );
     sql.push_str(HANDLER_SAVEPOINT);
     Ok(sql)
 }
@@ -487,6 +451,7 @@ fn completion_batch(
     ttl: Duration,
     stored: &StoredResponse,
     rollback_handler: bool,
+    (statement_timeout, lock_timeout): (Duration, Duration),
 ) -> Result<String, StoreError> {
     let status = status_column(stored)?;
     let headers = stored.encode_headers();
@@ -500,6 +465,8 @@ fn completion_batch(
         sql.push_str(HANDLER_SAVEPOINT);
         sql.push_str("; ");
     }
+    // The handler is done: the store's bounds hold for the rest of the transaction.
+    push_bounds(&mut sql, statement_timeout, lock_timeout);
     sql.push_str("SELECT tower_idempotency_complete_tx('");
     sql.push_str(checked_row_id(&claimed.row)?);
     sql.push_str("',");
@@ -537,7 +504,8 @@ async fn claim(
     key: &str,
     fingerprint: &[u8],
 ) -> Result<Result<(OpenTx, Placeholder), Taken>, StoreError> {
-    let batch = claim_batch(scope, key, fingerprint, tx_mode.isolation)?;
+    let bounds = tx_mode.store.bounds();
+    let batch = claim_batch(scope, key, fingerprint, tx_mode.isolation, bounds)?;
     for _ in 0..CLAIM_ATTEMPTS {
         let conn = tx_mode.store.pool().acquire().await.map_err(db_error)?;
         // From here a drop (the request went away mid-batch) closes the connection, so no
@@ -552,7 +520,7 @@ async fn claim(
             // SERIALIZABLE): claim again; the look will find it. The connection is closed
             // (by the drop), which also ends the failed transaction.
             Err(e) if is_serialization_failure(&e) => continue,
-            Err(e) => return Err(db_error(e)),
+            Err(e) => return Err(tx_mode.store.error(e)),
         };
         let step = |name: &str| {
             rows.iter()
@@ -621,8 +589,9 @@ async fn complete(
     claimed: &Placeholder,
     ttl: Duration,
     stored: &StoredResponse,
+    bounds: (Duration, Duration),
 ) -> Result<Completion, StoreError> {
-    let batch = completion_batch(claimed, ttl, stored, false)?;
+    let batch = completion_batch(claimed, ttl, stored, false, bounds)?;
     let done = sqlx::raw_sql(AssertSqlSafe(batch))
         .execute(tx.conn()?)
         .await;
@@ -637,7 +606,7 @@ async fn complete(
         tx.rollback_later();
         return Ok(Completion::Failed(err));
     }
-    let batch = completion_batch(claimed, ttl, stored, true)?;
+    let batch = completion_batch(claimed, ttl, stored, true, bounds)?;
     let done = sqlx::raw_sql(AssertSqlSafe(batch))
         .execute(tx.conn()?)
         .await;
@@ -687,7 +656,8 @@ impl Sealed for Transactional {
             render(&config, &Rejection::StoreUnavailable)
         };
 
-        let claimed = claim(&self, &scope, key.as_str(), fingerprint.as_bytes()).await;
+        let claim = claim(&self, &scope, key.as_str(), fingerprint.as_bytes());
+        let claimed = store_call("claim", config.store_timeout, claim).await;
         let (tx, placeholder) = match claimed {
             Ok(Ok(claimed)) => claimed,
             Ok(Err(taken)) => return Ok(answer_taken(&config, taken)),
@@ -726,7 +696,13 @@ impl Sealed for Transactional {
             );
             return Ok(render(&config, &Rejection::StoreUnavailable));
         };
-        match complete(tx, &placeholder, config.ttl, &stored).await {
+        let bounds = self.store.bounds();
+        let completion = complete(tx, &placeholder, config.ttl, &stored, bounds);
+        // A timeout here leaves the outcome unknown: the connection is closed with the
+        // transaction (dropped with the completion), and the COMMIT, if the server got it,
+        // may have happened. The client gets 503; its retry replays the answer if it did,
+        // and runs the handler if it did not.
+        match store_call("commit", config.store_timeout, completion).await {
             Ok(Completion::Committed) => Ok(response),
             Ok(Completion::StoredAlone) => {
                 tracing::warn!(
@@ -743,7 +719,7 @@ impl Sealed for Transactional {
                 "commit (serialization failure); rolled back, answered 503",
             )),
             Ok(Completion::Failed(e)) => Ok(unavailable(
-                db_error(e),
+                self.store.error(e),
                 "store the answer and commit; rolled back, answered 503",
             )),
             Err(e) => Ok(unavailable(
@@ -759,30 +735,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn constants_are_escaped() {
-        let mut sql = String::new();
-        push_text(&mut sql, r"it's a \ back'slash").unwrap();
-        assert_eq!(sql, r"E'it''s a \\ back''slash'");
-        let mut sql = String::new();
-        push_bytea(&mut sql, &[0x00, 0x7f, 0xff, b'\'']);
-        assert_eq!(sql, "decode('007fff27','hex')");
-        assert!(push_text(&mut String::new(), "nul\0").is_err());
-    }
-
-    #[test]
     fn batches_open_and_end_the_transaction_themselves() {
-        let claim = claim_batch("t", "k", &[1, 2], None).unwrap();
+        let unbounded = (Duration::ZERO, Duration::ZERO);
+        let claim = claim_batch("t", "k", &[1, 2], None, unbounded).unwrap();
         assert!(claim.starts_with("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SELECT 'look'"));
-        assert!(claim.contains(
-            "; COMMIT; BEGIN; SELECT 'claim' AS step, c.* FROM tower_idempotency_claim_tx("
-        ));
-        assert!(claim.ends_with(
-            ",E't',E'k',decode('0102','hex')) AS c; SAVEPOINT tower_idempotency_handler"
-        ));
-        let serializable = claim_batch("t", "k", &[1], Some(IsolationLevel::Serializable)).unwrap();
+        assert!(claim.contains("; COMMIT; BEGIN; SELECT set_config("));
         assert!(
-            serializable.contains("; COMMIT; BEGIN ISOLATION LEVEL SERIALIZABLE; SELECT 'claim'")
+            claim.contains("true); SELECT 'claim' AS step, c.* FROM tower_idempotency_claim_tx(")
         );
+        assert!(claim.contains(",E't',E'k',decode('0102','hex')) AS c; SELECT set_config("));
+        assert!(claim.ends_with("true); SAVEPOINT tower_idempotency_handler"));
+        let serializable = claim_batch(
+            "t",
+            "k",
+            &[1],
+            Some(IsolationLevel::Serializable),
+            unbounded,
+        )
+        .unwrap();
+        assert!(serializable.contains("; COMMIT; BEGIN ISOLATION LEVEL SERIALIZABLE; SELECT"));
+        // The store's bounds hold for the look and the claim, and are put back after it.
+        let bounded = (Duration::from_secs(5), Duration::from_secs(1));
+        let claim = claim_batch("t", "k", &[1], None, bounded).unwrap();
+        let set = "SET LOCAL statement_timeout = 5000; SET LOCAL lock_timeout = 1000; ";
+        assert_eq!(claim.matches(set).count(), 2, "{claim}");
+        let restored = claim.find("set_config('statement_timeout'").unwrap();
+        assert!(restored > claim.find("tower_idempotency_claim_tx").unwrap());
         let stored = StoredResponse::new(
             http::StatusCode::CREATED,
             http::HeaderMap::new(),
@@ -793,22 +771,18 @@ mod tests {
             scope: "t".into(),
             key: "k".into(),
         };
-        let done = completion_batch(&placeholder, Duration::from_secs(1), &stored, false).unwrap();
+        let ttl = Duration::from_secs(1);
+        let done = completion_batch(&placeholder, ttl, &stored, false, unbounded).unwrap();
         assert_eq!(
             done,
             "SELECT tower_idempotency_complete_tx('(0,7)',E't',E'k',1000,201::smallint,\
              decode('','hex'),decode('7b7d','hex')); COMMIT"
         );
-        let again = completion_batch(&placeholder, Duration::from_secs(1), &stored, true).unwrap();
-        assert!(again.starts_with("ROLLBACK TO SAVEPOINT tower_idempotency_handler; SELECT "));
-    }
-
-    #[test]
-    fn only_ascii_reaches_the_statement() {
-        let mut sql = String::new();
-        push_text(&mut sql, "été'").unwrap();
-        assert_eq!(sql, "convert_from(decode('c3a974c3a927','hex'),'UTF8')");
-        assert!(sql.is_ascii());
+        let again = completion_batch(&placeholder, ttl, &stored, true, bounded).unwrap();
+        assert!(again.starts_with(
+            "ROLLBACK TO SAVEPOINT tower_idempotency_handler; SET LOCAL statement_timeout = 5000; \
+             SET LOCAL lock_timeout = 1000; SELECT "
+        ));
     }
 
     #[test]

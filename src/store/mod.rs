@@ -40,6 +40,8 @@ use crate::response::StoredResponse;
 mod memory;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
+#[cfg(feature = "postgres")]
+pub(crate) mod sql;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]

@@ -4,8 +4,9 @@ use bytes::Bytes;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
 use sqlx::postgres::PgRow;
-use sqlx::{PgPool, Row};
+use sqlx::{AssertSqlSafe, PgPool, Row};
 
+use super::sql::{Lit, append, push_bounds};
 use super::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
 use crate::error::StoreError;
 use crate::key::IdempotencyKey;
@@ -84,7 +85,14 @@ pub struct PostgresStore {
     pool: PgPool,
     strategy: ClaimStrategy,
     purge_duty: f64,
+    statement_timeout: Duration,
+    lock_timeout: Duration,
 }
+
+/// The default `statement_timeout` of the store's statements.
+const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The default `lock_timeout` of the store's statements.
+const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// How [`PostgresStore`] claims a key: the statements a first request and a replay cost.
 ///
@@ -125,7 +133,73 @@ impl PostgresStore {
             pool,
             strategy: ClaimStrategy::Combined,
             purge_duty: 1.0,
+            statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
         }
+    }
+
+    /// The `statement_timeout` of the store's own statements (default 5 s; zero leaves the
+    /// session's setting). Set with `SET LOCAL` in the message that carries the statement,
+    /// so it never applies to the application's statements — in transactional mode, not to
+    /// the handler's either. The database then gives up on a statement that the layer gave
+    /// up on ([`with_store_timeout`](crate::IdempotencyLayer::with_store_timeout)), instead of
+    /// running it on for nobody; keep it at or below the layer's bound.
+    pub fn with_statement_timeout(mut self, timeout: Duration) -> Self {
+        self.statement_timeout = timeout;
+        self
+    }
+
+    /// The `lock_timeout` of the store's own statements (default 1 s; zero leaves the
+    /// session's setting). A store statement waits on a lock only when another transaction
+    /// holds the key's row: a transactional-mode request on the same key, or a concurrent
+    /// claim. A claim that waits longer answers "in flight" (`409`); other statements fail
+    /// (`503` before the handler ran).
+    pub fn with_lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout;
+        self
+    }
+
+    /// The statement text of `template` with its arguments written in, after the store's
+    /// bounds: one message, sent over the simple query protocol (see [`super::sql`]).
+    fn statement(&self, template: &str, args: &[Lit<'_>]) -> Result<String, StoreError> {
+        let hint: usize = args.iter().map(Lit::len_hint).sum();
+        let mut sql = String::with_capacity(64 + template.len() + hint);
+        push_bounds(&mut sql, self.statement_timeout, self.lock_timeout);
+        append(&mut sql, template, args)?;
+        Ok(sql)
+    }
+
+    /// Runs `template` and returns the rows of its last statement.
+    async fn rows(&self, template: &str, args: &[Lit<'_>]) -> Result<Vec<PgRow>, StoreError> {
+        let sql = self.statement(template, args)?;
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| self.error(e))
+    }
+
+    /// Runs `template` and returns the rows it changed.
+    async fn execute(&self, template: &str, args: &[Lit<'_>]) -> Result<u64, StoreError> {
+        let sql = self.statement(template, args)?;
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&self.pool)
+            .await
+            .map(|done| done.rows_affected())
+            .map_err(|e| self.error(e))
+    }
+
+    /// Maps a database error; a statement cancelled at the store's `statement_timeout` is
+    /// [`StoreError::Timeout`].
+    pub(crate) fn error(&self, err: sqlx::Error) -> StoreError {
+        if sqlstate_is(&err, QUERY_CANCELED) {
+            return StoreError::Timeout(self.statement_timeout);
+        }
+        db_error(err)
+    }
+
+    /// The bounds put in front of the store's statements: `statement_timeout`, `lock_timeout`.
+    pub(crate) fn bounds(&self) -> (Duration, Duration) {
+        (self.statement_timeout, self.lock_timeout)
     }
 
     /// How a claim is sent to the database (default [`ClaimStrategy::Combined`]).
@@ -152,19 +226,12 @@ impl PostgresStore {
     }
 
     async fn read(&self, req: &ClaimRequest<'_>) -> Result<Option<PgRow>, StoreError> {
-        sqlx::query(READ)
-            .bind(req.scope)
-            .bind(req.key.as_str())
-            .bind(&req.fingerprint.as_bytes()[..])
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(db_error)
+        Ok(self.rows(READ, &claim_args(req)).await?.into_iter().next())
     }
 
     /// The token of a fresh claim, or `None` when the key exists.
     async fn insert(&self, req: &ClaimRequest<'_>) -> Result<Option<i64>, StoreError> {
-        let row = self.bind(INSERT, req).fetch_optional(&self.pool).await;
-        match row.map_err(db_error)? {
+        match self.rows(INSERT, &claim_args(req)).await?.first() {
             Some(row) => Ok(Some(row.try_get("inserted")?)),
             None => Ok(None),
         }
@@ -175,18 +242,16 @@ impl PostgresStore {
     /// a statement fails with a serialization failure when the row changed after its snapshot
     /// (a renewal still in flight as the answer is stored); it is run again, with a new
     /// snapshot: the token condition decides anew.
-    async fn execute_token_statement<'q>(
+    async fn execute_token_statement(
         &self,
-        statement: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        template: &str,
+        args: &[Lit<'_>],
     ) -> Result<u64, StoreError> {
         let mut attempts = 1;
         loop {
-            match statement().execute(&self.pool).await {
-                Ok(done) => return Ok(done.rows_affected()),
-                Err(e) if is_serialization_failure(&e) && attempts < CLAIM_ATTEMPTS => {
-                    attempts += 1;
-                }
-                Err(e) => return Err(db_error(e)),
+            match self.execute(template, args).await {
+                Err(e) if lost_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
+                other => return other,
             }
         }
     }
@@ -195,11 +260,13 @@ impl PostgresStore {
     async fn look_and_insert(&self, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
         Ok(match self.strategy {
             ClaimStrategy::Combined => {
-                let row = self.bind(CLAIM, req).fetch_one(&self.pool).await;
-                let row = row.map_err(db_error)?;
+                let rows = self.rows(CLAIM, &claim_args(req)).await?;
+                let row = rows
+                    .first()
+                    .ok_or_else(|| StoreError::Corrupt("the claim returned no row".into()))?;
                 match row.try_get::<Option<i64>, _>("inserted")? {
                     Some(token) => Decision::Done(acquired(token, false)),
-                    None => decide(&row, req)?,
+                    None => decide(row, req)?,
                 }
             }
             ClaimStrategy::ReadFirst => match self.read(req).await? {
@@ -218,20 +285,6 @@ impl PostgresStore {
                 },
             },
         })
-    }
-
-    fn bind<'q>(
-        &self,
-        sql: &'static str,
-        req: &'q ClaimRequest<'q>,
-    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-        sqlx::query(sql)
-            .bind(req.scope)
-            .bind(req.key.as_str())
-            .bind(&req.fingerprint.as_bytes()[..])
-            .bind(millis(req.lease))
-            // An in-progress record lives at least as long as its lease.
-            .bind(millis(req.ttl.max(req.lease)))
     }
 
     /// The pool this store uses.
@@ -259,8 +312,11 @@ pub(crate) async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
     let mut tx = pool
         .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
         .await?;
+    // Inside the transaction, a pooler keeps the server connection to this client: unnamed
+    // statements (`persistent(false)`) are safe there, named ones would outlive it.
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
         .bind(MIGRATION_LOCK)
+        .persistent(false)
         .execute(&mut *tx)
         .await?;
     sqlx::query(
@@ -271,10 +327,12 @@ pub(crate) async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
              applied_at  timestamptz NOT NULL DEFAULT now()
          )",
     )
+    .persistent(false)
     .execute(&mut *tx)
     .await?;
     let applied: Vec<(i64, Vec<u8>)> =
         sqlx::query_as("SELECT version, checksum FROM tower_idempotency_migrations")
+            .persistent(false)
             .fetch_all(&mut *tx)
             .await?;
     for &(version, description, sql) in MIGRATIONS {
@@ -296,12 +354,49 @@ pub(crate) async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
         .bind(version)
         .bind(description)
         .bind(checksum)
+        .persistent(false)
         .execute(&mut *tx)
         .await?;
         tracing::info!(version, description, "applied tower-idempotency migration");
     }
     tx.commit().await?;
     Ok(())
+}
+
+/// The arguments of the claim's statements: `$1` scope, `$2` key, `$3` fingerprint, `$4`
+/// lease (ms), `$5` time to live (ms).
+fn claim_args<'a>(req: &'a ClaimRequest<'a>) -> [Lit<'a>; 5] {
+    [
+        Lit::Text(req.scope),
+        Lit::Text(req.key.as_str()),
+        Lit::Bytes(req.fingerprint.as_bytes()),
+        Lit::Int(millis(req.lease)),
+        // An in-progress record lives at least as long as its lease.
+        Lit::Int(millis(req.ttl.max(req.lease))),
+    ]
+}
+
+/// SQLSTATE `query_canceled`: here, a statement cancelled at `statement_timeout`.
+const QUERY_CANCELED: &str = "57014";
+/// SQLSTATE `lock_not_available`: here, a lock not granted within `lock_timeout`.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// Whether `err` is a database error with SQLSTATE `code`.
+pub(crate) fn sqlstate_is(err: &sqlx::Error, code: &str) -> bool {
+    err.as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|c| c == code)
+}
+
+/// Whether a store error is a lock not granted within the store's `lock_timeout`: another
+/// transaction holds the key's row.
+fn waited_for_lock(err: &StoreError) -> bool {
+    match err {
+        StoreError::Backend(source) => source
+            .downcast_ref::<sqlx::Error>()
+            .is_some_and(|e| sqlstate_is(e, LOCK_NOT_AVAILABLE)),
+        _ => false,
+    }
 }
 
 /// Milliseconds for an interval parameter, clamped to 100 years so Postgres never sees an
@@ -482,6 +577,13 @@ fn decide(row: &PgRow, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
     )?)))
 }
 
+/// The key is held by another request (or transaction): "in flight", retry in a second.
+fn held_elsewhere() -> ClaimOutcome {
+    ClaimOutcome::InFlight {
+        retry_after: Duration::from_secs(1),
+    }
+}
+
 fn acquired(token: i64, takeover: bool) -> ClaimOutcome {
     ClaimOutcome::Acquired {
         token: LeaseToken::from_raw(token),
@@ -520,28 +622,30 @@ impl Store for PostgresStore {
             // READ COMMITTED, that is claimed again, with a new snapshot that sees the record.
             let decision = match self.look_and_insert(&req).await {
                 Err(e) if lost_race(&e) => Decision::Retry,
+                // Another transaction holds the key's row (a transactional-mode request on
+                // the same key) longer than the store's lock timeout: the key is in use.
+                Err(e) if waited_for_lock(&e) => return Ok(held_elsewhere()),
                 other => other?,
             };
             match decision {
                 Decision::Done(outcome) => return Ok(outcome),
                 Decision::Retry => {}
                 Decision::TakeOver { abandoned } => {
-                    let row = self.bind(TAKEOVER, &req).fetch_optional(&self.pool).await;
-                    match row {
-                        Ok(Some(row)) => {
-                            return Ok(acquired(row.try_get("lease_token")?, abandoned));
+                    match self.rows(TAKEOVER, &claim_args(&req)).await {
+                        Ok(rows) => {
+                            if let Some(row) = rows.first() {
+                                return Ok(acquired(row.try_get("lease_token")?, abandoned));
+                            }
                         }
-                        Ok(None) => {}
-                        Err(e) if is_serialization_failure(&e) => {}
-                        Err(e) => return Err(db_error(e)),
+                        Err(e) if lost_race(&e) => {}
+                        Err(e) if waited_for_lock(&e) => return Ok(held_elsewhere()),
+                        Err(e) => return Err(e),
                     }
                 }
             }
         }
         // Every attempt lost a race to another claimer, which therefore holds the key now.
-        Ok(ClaimOutcome::InFlight {
-            retry_after: Duration::from_secs(1),
-        })
+        Ok(held_elsewhere())
     }
 
     async fn complete(
@@ -554,18 +658,16 @@ impl Store for PostgresStore {
     ) -> Result<bool, StoreError> {
         let status = status_column(response)?;
         let headers = response.encode_headers();
-        let done = self
-            .execute_token_statement(|| {
-                sqlx::query(COMPLETE)
-                    .bind(scope)
-                    .bind(key.as_str())
-                    .bind(token.into_raw())
-                    .bind(millis(ttl))
-                    .bind(status)
-                    .bind(&headers[..])
-                    .bind(response.body().map(|b| &b[..]))
-            })
-            .await?;
+        let args = [
+            Lit::Text(scope),
+            Lit::Text(key.as_str()),
+            Lit::Int(token.into_raw()),
+            Lit::Int(millis(ttl)),
+            Lit::Int(i64::from(status)),
+            Lit::Bytes(&headers),
+            Lit::MaybeBytes(response.body().map(|b| &b[..])),
+        ];
+        let done = self.execute_token_statement(COMPLETE, &args).await?;
         Ok(done == 1)
     }
 
@@ -575,14 +677,12 @@ impl Store for PostgresStore {
         key: &IdempotencyKey,
         token: LeaseToken,
     ) -> Result<bool, StoreError> {
-        let done = self
-            .execute_token_statement(|| {
-                sqlx::query(RELEASE)
-                    .bind(scope)
-                    .bind(key.as_str())
-                    .bind(token.into_raw())
-            })
-            .await?;
+        let args = [
+            Lit::Text(scope),
+            Lit::Text(key.as_str()),
+            Lit::Int(token.into_raw()),
+        ];
+        let done = self.execute_token_statement(RELEASE, &args).await?;
         Ok(done == 1)
     }
 
@@ -593,15 +693,13 @@ impl Store for PostgresStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let done = self
-            .execute_token_statement(|| {
-                sqlx::query(RENEW)
-                    .bind(scope)
-                    .bind(key.as_str())
-                    .bind(token.into_raw())
-                    .bind(millis(lease))
-            })
-            .await?;
+        let args = [
+            Lit::Text(scope),
+            Lit::Text(key.as_str()),
+            Lit::Int(token.into_raw()),
+            Lit::Int(millis(lease)),
+        ];
+        let done = self.execute_token_statement(RENEW, &args).await?;
         Ok(done == 1)
     }
 
@@ -610,13 +708,9 @@ impl Store for PostgresStore {
         let mut deleted = 0;
         loop {
             let started = std::time::Instant::now();
-            let done = sqlx::query(PURGE)
-                .bind(batch)
-                .execute(&self.pool)
-                .await
-                .map_err(db_error)?;
-            deleted += done.rows_affected();
-            if done.rows_affected() < batch.unsigned_abs() {
+            let done = self.execute(PURGE, &[Lit::Int(batch)]).await?;
+            deleted += done;
+            if done < batch.unsigned_abs() {
                 return Ok(deleted);
             }
             if self.purge_duty < 1.0 {

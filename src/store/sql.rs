@@ -1,0 +1,219 @@
+//! The SQL text the Postgres store sends: values written into statements as literals, and
+//! the bounds (`statement_timeout`, `lock_timeout`) put in front of the store's statements.
+//!
+//! Every statement of the store goes over the *simple* query protocol, values included as
+//! literals, so that it works behind a pooler in transaction mode (PgBouncer, RDS Proxy,
+//! Supavisor): no prepared statement, named or unnamed, outlives the message that carries
+//! it, and no setting outlives its transaction. (sqlx's bound queries prepare a statement
+//! first: a named one that stays on the server connection, which under transaction pooling
+//! meets another client's of the same name, or the unnamed one in a message of its own,
+//! which the pooler may send to another server connection than the `Bind` that follows.)
+//!
+//! The literals are written so that no value can change a statement's meaning, whatever the
+//! session's settings: see [`push_text`] and [`push_bytea`].
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use crate::error::StoreError;
+
+/// A value to write into a statement.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Lit<'a> {
+    /// `text`.
+    Text(&'a str),
+    /// `bytea`.
+    Bytes(&'a [u8]),
+    /// A `bytea` that may be `NULL`.
+    MaybeBytes(Option<&'a [u8]>),
+    /// A number (`bigint`, or any integer type the context casts it to).
+    Int(i64),
+}
+
+impl Lit<'_> {
+    fn push(&self, sql: &mut String) -> Result<(), StoreError> {
+        match *self {
+            Lit::Text(text) => push_text(sql, text)?,
+            Lit::Bytes(bytes) | Lit::MaybeBytes(Some(bytes)) => push_bytea(sql, bytes),
+            Lit::MaybeBytes(None) => sql.push_str("NULL"),
+            Lit::Int(n) => {
+                // A negative number is written in parentheses: `$4::float8` must not become
+                // `-5::float8`, which casts before it negates (the same value, but keep the
+                // reading obvious), and `x -$1` must not become a comment `x --5`.
+                if n < 0 {
+                    let _ = write!(sql, "({n})");
+                } else {
+                    let _ = write!(sql, "{n}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// About how long the literal is.
+    pub(crate) fn len_hint(&self) -> usize {
+        match *self {
+            Lit::Text(t) => t.len() + 3,
+            Lit::Bytes(b) | Lit::MaybeBytes(Some(b)) => 2 * b.len() + 20,
+            Lit::MaybeBytes(None) => 4,
+            Lit::Int(_) => 21,
+        }
+    }
+}
+
+/// `template` with each placeholder `$1`…`$9` replaced by the literal of that argument.
+///
+/// Only the template is scanned for placeholders; the literals are copied in as they are.
+/// The templates are the store's own constants, and a `$` in them is always a placeholder.
+pub(crate) fn fill(template: &str, args: &[Lit<'_>]) -> Result<String, StoreError> {
+    let extra: usize = args.iter().map(|a| a.len_hint()).sum();
+    let mut sql = String::with_capacity(template.len() + extra);
+    append(&mut sql, template, args)?;
+    Ok(sql)
+}
+
+/// [`fill`], appended to `sql`.
+pub(crate) fn append(sql: &mut String, template: &str, args: &[Lit<'_>]) -> Result<(), StoreError> {
+    let mut rest = template;
+    while let Some(at) = rest.find('$') {
+        sql.push_str(&rest[..at]);
+        let after = &rest[at + 1..];
+        let digits = after.bytes().take_while(u8::is_ascii_digit).count();
+        let arg = after[..digits]
+            .parse::<usize>()
+            .ok()
+            .and_then(|n| n.checked_sub(1))
+            .and_then(|i| args.get(i))
+            .ok_or_else(|| {
+                StoreError::backend(format!(
+                    "statement placeholder out of range in {template:?}"
+                ))
+            })?;
+        arg.push(sql)?;
+        rest = &after[digits..];
+    }
+    sql.push_str(rest);
+    Ok(())
+}
+
+/// `SET LOCAL` of the store's bounds, to put in front of its statements in one message: in
+/// a transaction, or in the implicit transaction of a message of several statements, they
+/// hold for the statements after them and end with the transaction. A bound of zero leaves
+/// the session's own setting.
+pub(crate) fn push_bounds(sql: &mut String, statement: Duration, lock: Duration) {
+    for (name, bound) in [("statement_timeout", statement), ("lock_timeout", lock)] {
+        // Postgres takes at most `INT_MAX` milliseconds (about 24 days).
+        let ms = bound.as_millis().min(2_147_483_647);
+        if ms > 0 {
+            let _ = write!(sql, "SET LOCAL {name} = {ms}; ");
+        }
+    }
+}
+
+/// Appends `bytes` to `sql` as an expression of type `bytea`. Only hex digits are copied into
+/// the statement, so no value can change its meaning.
+pub(crate) fn push_bytea(sql: &mut String, bytes: &[u8]) {
+    sql.reserve(bytes.len() * 2 + 24);
+    sql.push_str("decode('");
+    push_hex(sql, bytes);
+    sql.push_str("','hex')");
+}
+
+fn push_hex(sql: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for &b in bytes {
+        sql.push(char::from(HEX[usize::from(b >> 4)]));
+        sql.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+}
+
+/// Appends `text` to `sql` as an expression of type `text` whose meaning does not depend on
+/// any session setting.
+///
+/// Only ASCII ever reaches the statement: ASCII text (keys are ASCII; scopes reach stores as
+/// a hex digest) as an escape-string constant `E'…'` with quotes and backslashes doubled,
+/// which reads the same whatever `standard_conforming_strings` and `backslash_quote` say, and
+/// in every client encoding (all of them are ASCII supersets); any other text as hex bytes
+/// converted on the server (`convert_from(…, 'UTF8')`), so a client encoding such as SJIS or
+/// BIG5, whose multibyte characters can contain the byte of a backslash or a quote, cannot
+/// move the end of the constant. A NUL would end the statement early (the protocol's strings
+/// are NUL-terminated); Postgres text cannot hold one anyway, so it is an error here too.
+pub(crate) fn push_text(sql: &mut String, text: &str) -> Result<(), StoreError> {
+    if text.contains('\0') {
+        return Err(StoreError::backend("a value contains a NUL character"));
+    }
+    if !text.is_ascii() {
+        sql.reserve(text.len() * 2 + 40);
+        sql.push_str("convert_from(decode('");
+        push_hex(sql, text.as_bytes());
+        sql.push_str("','hex'),'UTF8')");
+        return Ok(());
+    }
+    sql.reserve(text.len() + 3);
+    sql.push_str("E'");
+    for c in text.chars() {
+        match c {
+            '\'' => sql.push_str("''"),
+            '\\' => sql.push_str("\\\\"),
+            c => sql.push(c),
+        }
+    }
+    sql.push('\'');
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fill_replaces_each_placeholder_once_and_never_rescans_values() {
+        let sql = fill(
+            "SELECT $1, $2, $3, $4, $1",
+            &[
+                Lit::Text("a'$2\\"),
+                Lit::Bytes(&[0, 255]),
+                Lit::Int(-5),
+                Lit::MaybeBytes(None),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            sql,
+            "SELECT E'a''$2\\\\', decode('00ff','hex'), (-5), NULL, E'a''$2\\\\'"
+        );
+    }
+
+    #[test]
+    fn a_placeholder_without_its_argument_is_an_error() {
+        assert!(fill("SELECT $2", &[Lit::Int(1)]).is_err());
+        assert!(fill("SELECT $0", &[Lit::Int(1)]).is_err());
+        assert!(fill("SELECT $x", &[Lit::Int(1)]).is_err());
+    }
+
+    #[test]
+    fn constants_are_escaped() {
+        let mut sql = String::new();
+        push_text(&mut sql, r"it's a \ back'slash").unwrap();
+        assert_eq!(sql, r"E'it''s a \\ back''slash'");
+        let mut sql = String::new();
+        push_bytea(&mut sql, &[0x00, 0x7f, 0xff, b'\'']);
+        assert_eq!(sql, "decode('007fff27','hex')");
+    }
+
+    #[test]
+    fn non_ascii_text_is_sent_as_hex_and_nul_is_refused() {
+        let mut sql = String::new();
+        push_text(&mut sql, "été'").unwrap();
+        assert_eq!(sql, "convert_from(decode('c3a974c3a927','hex'),'UTF8')");
+        assert!(sql.is_ascii());
+        assert!(push_text(&mut String::new(), "a\0b").is_err());
+    }
+
+    #[test]
+    fn bounds_are_set_locally_and_zero_means_the_sessions_own() {
+        let mut sql = String::new();
+        push_bounds(&mut sql, Duration::from_secs(5), Duration::ZERO);
+        assert_eq!(sql, "SET LOCAL statement_timeout = 5000; ");
+    }
+}

@@ -1,0 +1,272 @@
+//! Bounded waits on Postgres: the store's own `lock_timeout` and `statement_timeout`, and
+//! statements that a pooler in transaction mode can carry (no prepared statement outlives
+//! the message that made it).
+#![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use sqlx::{Connection, PgConnection, Row};
+use support::{Calls, PgSchema, read, req};
+use tower::{Layer, ServiceExt};
+use tower_idempotency::inbox::{Delivery, Inbox};
+use tower_idempotency::{
+    ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyLayer, PostgresStore, Store, StoreError,
+};
+
+/// A direct connection into the test's schema (not from the store's pool).
+async fn direct(schema: &PgSchema) -> PgConnection {
+    let mut conn = PgConnection::connect(&support::database_url())
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET search_path = {}",
+        schema.name
+    )))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    conn
+}
+
+/// Completes key `k` with a TTL of 1 ms and waits until it has expired: its next claim is
+/// a takeover, an `UPDATE` of the row.
+async fn expired_record(store: &PostgresStore) {
+    let svc = IdempotencyLayer::new(store.clone())
+        .with_ttl(Duration::from_millis(1))
+        .layer(support::handler(Calls::default()));
+    let first = read(
+        svc.oneshot(req("POST", "/pay", Some("k"), "b"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+/// Another transaction holds the key's row (as a transactional-mode request on the same key
+/// does while its handler runs): a plain-mode claim waits for the row no longer than the
+/// store's lock timeout, then answers "in flight" (`409`) — without running the handler —
+/// and runs once when the row is free.
+#[tokio::test]
+async fn a_claim_blocked_on_the_keys_row_answers_409_after_the_lock_timeout() {
+    let schema = PgSchema::new().await;
+    let store = schema
+        .store()
+        .await
+        .with_lock_timeout(Duration::from_millis(200));
+    expired_record(&store).await;
+
+    let mut holder = direct(&schema).await;
+    sqlx::raw_sql("BEGIN; SELECT * FROM tower_idempotency_keys WHERE key = 'k' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+
+    let calls = Calls::default();
+    let svc = IdempotencyLayer::new(store.clone()).layer(support::handler(calls.clone()));
+    let send = || svc.clone().oneshot(req("POST", "/pay", Some("k"), "b"));
+    let started = Instant::now();
+    let blocked = read(send().await.unwrap()).await;
+    blocked.assert_problem(409, "request-in-progress");
+    let waited = started.elapsed();
+    // The bound is 200 ms; the margin is for a loaded 2-core machine. Without a lock
+    // timeout the claim waits for the holder (here: forever).
+    assert!(waited < Duration::from_secs(4), "waited {waited:?}");
+    assert_eq!(calls.total(), 0);
+
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let after = read(send().await.unwrap()).await;
+    assert_eq!(after.status, 201, "{}", after.text());
+    assert_eq!(calls.get("/pay"), 1);
+    schema.drop_schema().await;
+}
+
+/// With no lock timeout, the store's statement timeout still bounds the wait: the claim
+/// fails with [`StoreError::Timeout`] (the layer answers `503`).
+#[tokio::test]
+async fn a_store_statement_past_its_statement_timeout_is_a_timeout_error() {
+    let schema = PgSchema::new().await;
+    let store = schema
+        .store()
+        .await
+        .with_lock_timeout(Duration::ZERO)
+        .with_statement_timeout(Duration::from_millis(200));
+    expired_record(&store).await;
+
+    let mut holder = direct(&schema).await;
+    sqlx::raw_sql("BEGIN; SELECT * FROM tower_idempotency_keys WHERE key = 'k' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let key = IdempotencyKey::parse("k").unwrap();
+    let started = Instant::now();
+    // The fingerprint of the layer's request above does not matter: an expired record is
+    // taken over whatever it held.
+    let err = store
+        .claim(ClaimRequest {
+            scope: "",
+            key: &key,
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Timeout(_)), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(4));
+
+    // The bound is the store's own: the application's statements on the same pool keep the
+    // session's setting (none).
+    let setting: String = sqlx::raw_sql("SHOW statement_timeout")
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(setting, "0");
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    schema.drop_schema().await;
+}
+
+/// In transactional mode the store's bounds hold for its own statements and not for the
+/// handler's: inside the request's transaction the handler sees the session's settings.
+#[tokio::test]
+async fn transactional_handlers_keep_their_own_timeouts() {
+    let schema = PgSchema::new().await;
+    let store = schema
+        .store()
+        .await
+        .with_statement_timeout(Duration::from_millis(300))
+        .with_lock_timeout(Duration::from_millis(100));
+    let svc = IdempotencyLayer::new(store.transactional()).layer(tower::service_fn(
+        |req: http::Request<tower_idempotency::body::RequestBody<_>>| async move {
+            let tx = req
+                .extensions()
+                .get::<tower_idempotency::IdempotentTx>()
+                .unwrap()
+                .clone();
+            let mut conn = tx.conn().await.unwrap();
+            // Longer than the store's statement timeout: the handler's own work is not cut.
+            sqlx::raw_sql("SELECT pg_sleep(0.5)")
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            let row = sqlx::raw_sql(
+                "SELECT current_setting('statement_timeout') || ' ' || \
+                 current_setting('lock_timeout')",
+            )
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+            let settings: String = row.get(0);
+            let _ = req.into_body();
+            Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                bytes::Bytes::from(settings),
+            )))
+        },
+    ));
+    let answer = read(
+        svc.oneshot(support::req("POST", "/pay", Some("k"), "b"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(answer.text(), "0 0", "the handler saw the store's bounds");
+    schema.drop_schema().await;
+}
+
+/// Every statement the crate sends — migrate, the claim, replay, mismatch, complete, release,
+/// renew, purge, transactional mode, the inbox — leaves no named prepared statement on the
+/// connection. (A named statement outlives the transaction: behind a pooler in transaction
+/// mode, the next client on that server connection meets it.)
+#[tokio::test]
+async fn the_crate_leaves_no_prepared_statement_on_its_connections() {
+    let schema = PgSchema::new().await;
+    // One connection: every statement below runs on it.
+    let pool = schema.pool(1).await;
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.unwrap();
+
+    let calls = Calls::default();
+    let plain = IdempotencyLayer::new(store.clone())
+        .with_lease(Duration::from_millis(300))
+        .layer(support::handler(calls.clone()));
+    for (uri, key, body) in [
+        ("/pay", "a", "x"),
+        ("/pay", "a", "x"),         // replay
+        ("/pay", "a", "other"),     // mismatch
+        ("/fail", "b", "x"),        // 5xx: released
+        ("/slow?ms=400", "c", "x"), // renewed
+    ] {
+        let _ = read(
+            plain
+                .clone()
+                .oneshot(req("POST", uri, Some(key), body))
+                .await
+                .unwrap(),
+        )
+        .await;
+    }
+    store.purge_expired(10).await.unwrap();
+    let tx = IdempotencyLayer::new(store.transactional()).layer(support::handler(calls.clone()));
+    for key in ["t", "t"] {
+        let _ = read(
+            tx.clone()
+                .oneshot(req("POST", "/pay", Some(key), "x"))
+                .await
+                .unwrap(),
+        )
+        .await;
+    }
+    let inbox = Inbox::new(pool.clone());
+    for _ in 0..2 {
+        let _ = inbox
+            .process("c", "m1", async |_conn: &mut PgConnection| {
+                Ok::<_, std::io::Error>(())
+            })
+            .await
+            .unwrap();
+    }
+    assert!(matches!(
+        inbox
+            .process("c", "m1", async |_conn: &mut PgConnection| Ok::<
+                _,
+                std::io::Error,
+            >(()))
+            .await
+            .unwrap(),
+        Delivery::Duplicate
+    ));
+    inbox
+        .purge_older_than(Duration::from_secs(3600), 10)
+        .await
+        .unwrap();
+
+    let named: Vec<String> = sqlx::raw_sql("SELECT name FROM pg_prepared_statements")
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(
+        named.is_empty(),
+        "prepared statements left behind: {named:?}"
+    );
+    assert_eq!(
+        calls.get("/pay"),
+        2,
+        "one plain, one transactional first request"
+    );
+    pool.close().await;
+    schema.drop_schema().await;
+}
