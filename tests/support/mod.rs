@@ -167,24 +167,62 @@ impl PgSchema {
         store
     }
 
-    pub async fn drop_schema(self) {
-        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "DROP SCHEMA {} CASCADE",
-            self.name
-        )))
-        .execute(&self.admin)
-        .await;
-        if let Some(role) = &self.role {
-            // The pooler may keep server connections of this role open: end them (PgBouncer
-            // drops a server connection it finds closed), so that the role can go and the
-            // server's connection slots come back.
-            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}';
-                 DROP ROLE IF EXISTS {role}"
-            )))
-            .execute(&self.admin)
-            .await;
+    pub async fn drop_schema(mut self) {
+        match self.role.take() {
+            None => {
+                let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "DROP SCHEMA {} CASCADE",
+                    self.name
+                )))
+                .execute(&self.admin)
+                .await;
+            }
+            Some(role) => {
+                let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop_role_and_schema(&role, &self.name)))
+                    .execute(&self.admin)
+                    .await;
+            }
         }
+    }
+}
+
+/// Drops a pooler-mode schema and its role. The pooler may keep server connections of the
+/// role open: they are ended first (PgBouncer drops a server connection it finds closed), so
+/// that nothing holds a lock on the schema, the role can go, and the server's connection
+/// slots come back.
+fn drop_role_and_schema(role: &str, schema: &str) -> String {
+    format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}';
+         DROP SCHEMA IF EXISTS {schema} CASCADE;
+         DROP ROLE IF EXISTS {role}"
+    )
+}
+
+impl Drop for PgSchema {
+    /// A test that failed before [`PgSchema::drop_schema`] leaves its schema behind (in both
+    /// modes), but not, in pooler mode, its role: a superuser without a password.
+    fn drop(&mut self) {
+        let Some(role) = self.role.take() else {
+            return;
+        };
+        let sql = drop_role_and_schema(&role, &self.name);
+        // Another thread with a runtime of its own: this one may be inside a runtime.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let Ok(admin) = sqlx::PgPool::connect(&database_url()).await else {
+                    return;
+                };
+                let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                    .execute(&admin)
+                    .await;
+                admin.close().await;
+            });
+        })
+        .join();
     }
 }
 
