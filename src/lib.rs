@@ -220,9 +220,18 @@
 //!
 //! Each keyed request runs in a `tracing` span `idempotency` with the key and an `outcome`
 //! field (`executed`, `takeover`, `replayed`, `in_flight`, `mismatch`, `store_error`,
-//! `rejected`). With the `metrics` feature the same outcomes are counted in
-//! `tower_idempotency_requests_total{outcome}`; watch the replay rate to see how often your
-//! clients retry.
+//! `rejected`). With the `metrics` feature the layer reports, never with a key or a scope
+//! as a label:
+//!
+//! | metric | kind | what |
+//! |---|---|---|
+//! | `tower_idempotency_requests_total{outcome}` | counter | the outcomes above; the replay rate shows how often clients retry |
+//! | `tower_idempotency_in_flight` | gauge | keyed requests whose handler runs (in transactional mode, each holds a pool connection) |
+//! | `tower_idempotency_store_call_seconds{operation}` | histogram | each store call (`claim`, `complete`, `release`, `renew`, `commit`), as the layer waited for it |
+//! | `tower_idempotency_store_errors_total{operation,kind}` | counter | store calls that failed (`kind` `error`) or hit the store timeout (`timeout`) |
+//! | `tower_idempotency_leases_lost_total` | counter | handlers that lost their key's lease while running (renewals failed for most of a lease) |
+//!
+//! The README's "Deploying" section says what to alert on.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

@@ -35,8 +35,8 @@ use crate::mode::Keyed;
 use crate::rejection::Rejection;
 use crate::response::StoredResponse;
 use crate::service::{
-    Buffered, Outcome, Taken, ToStore, answer_taken, log_store_error, read_request, record, render,
-    store_call, to_store,
+    Buffered, InFlightGauge, Outcome, Taken, ToStore, answer_taken, lease_lost, log_store_error,
+    read_request, record, render, store_call, to_store,
 };
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
 
@@ -257,6 +257,7 @@ pin_project! {
         // `cancel_on_disconnect`) or unwinds (the handler panicked) while the handler runs, so
         // a retry is not locked out.
         guard: ReleaseGuard<St>,
+        in_flight: InFlightGauge,
         config: Arc<Config>,
         // The handler's view of the lease (in its request's extensions).
         lease: Lease,
@@ -345,6 +346,7 @@ where
         let future = inner.call(req);
         Self {
             guard,
+            in_flight: InFlightGauge::start(),
             config,
             lease,
             renewal: Renewal::Idle,
@@ -508,6 +510,7 @@ async fn renew<St: Store>(held: Held<St>, lease: Duration, signal: Lease) {
             }
             Ok(false) => {
                 if signal.lose() {
+                    lease_lost();
                     tracing::warn!(
                         "idempotency lease lost: another request holds the key now (the lease \
                          ran out, or the key expired); the handler runs on, and its answer will \
@@ -522,6 +525,7 @@ async fn renew<St: Store>(held: Held<St>, lease: Duration, signal: Lease) {
             Err(err) => log_store_error(&err, "renew a lease"),
         }
         if confirmed.elapsed() >= lease && signal.lose() {
+            lease_lost();
             tracing::warn!(
                 "idempotency lease may have run out: no renewal succeeded for a whole lease, so \
                  another request may take the key over while this handler runs"

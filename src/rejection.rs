@@ -379,4 +379,19 @@ mod tests {
             assert!(!detail.contains("header"), "{detail}");
         }
     }
+
+    #[test]
+    fn a_503_retry_after_is_spread_over_one_to_three_seconds() {
+        let seen: std::collections::BTreeSet<String> = (0..200)
+            .map(|_| {
+                let res = Rejection::StoreUnavailable.to_response();
+                res.headers()[header::RETRY_AFTER]
+                    .to_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect();
+        // 200 draws miss one of three values with probability about 3 * (2/3)^200.
+        assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["1", "2", "3"]);
+    }
 }

@@ -355,6 +355,33 @@ pub(crate) async fn store_call<T>(
     result
 }
 
+/// A keyed request whose handler runs, from its claim until its answer is stored (or its key
+/// released), counted in the gauge `tower_idempotency_in_flight` (feature `metrics`).
+pub(crate) struct InFlightGauge(());
+
+impl InFlightGauge {
+    pub(crate) fn start() -> Self {
+        #[cfg(feature = "metrics")]
+        metrics::gauge!("tower_idempotency_in_flight").increment(1.0);
+        Self(())
+    }
+}
+
+impl Drop for InFlightGauge {
+    fn drop(&mut self) {
+        #[cfg(feature = "metrics")]
+        metrics::gauge!("tower_idempotency_in_flight").decrement(1.0);
+    }
+}
+
+/// A claim lost its key while its handler ran (its lease ran out and another request may
+/// take the key over): the counter `tower_idempotency_leases_lost_total` (feature
+/// `metrics`). Worth an alert: it means renewals failed for most of a lease.
+pub(crate) fn lease_lost() {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tower_idempotency_leases_lost_total").increment(1);
+}
+
 pub(crate) fn log_store_error(err: &StoreError, what: &'static str) {
     tracing::error!(
         error = err as &dyn std::error::Error,

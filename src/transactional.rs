@@ -114,8 +114,8 @@ use crate::mode::{Keyed, Mode, Sealed};
 use crate::rejection::Rejection;
 use crate::response::StoredResponse;
 use crate::service::{
-    Outcome, Prepared, Taken, answer_taken, log_store_error, prepare, record, render, store_call,
-    to_store,
+    InFlightGauge, Outcome, Prepared, Taken, answer_taken, log_store_error, prepare, record,
+    render, store_call, to_store,
 };
 use crate::store::PostgresStore;
 use crate::store::postgres::{
@@ -664,6 +664,7 @@ impl Sealed for Transactional {
             Err(e) => return Ok(unavailable(e, "claim a key; answered 503")),
         };
         record(Outcome::Executed);
+        let _in_flight = InFlightGauge::start();
 
         // From here a drop (a panic, or a request dropped with run-to-completion off) drops
         // the transaction: its connection is closed, Postgres rolls it back and releases the

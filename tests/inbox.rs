@@ -410,3 +410,58 @@ async fn purge_deletes_old_ids_in_batches() {
     assert_eq!(again, Delivery::Duplicate);
     done(schema, inbox).await;
 }
+
+/// A redelivery that arrives while the first delivery's work is still running waits for it
+/// no longer than the inbox's lock timeout: it fails (nothing committed, not to be
+/// acknowledged) instead of holding a connection for as long as the first runs; once the first
+/// committed, the next redelivery is a `Duplicate`. The first's work ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_during_the_first_waits_at_most_the_lock_timeout() {
+    let (schema, inbox) = setup().await;
+    let inbox = inbox.with_lock_timeout(Duration::from_millis(200));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel();
+    let (finish_tx, finish_rx) = tokio::sync::oneshot::channel::<()>();
+    let first = {
+        let inbox = inbox.clone();
+        let runs = runs.clone();
+        tokio::spawn(async move {
+            inbox
+                .process("billing", "m1", async move |c: &mut PgConnection| {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let amount = charge(c, "m1", 5).await?;
+                    entered_tx.send(()).unwrap();
+                    finish_rx.await.unwrap();
+                    Ok::<_, sqlx::Error>(amount)
+                })
+                .await
+        })
+    };
+    entered_rx.await.unwrap();
+
+    let started = std::time::Instant::now();
+    let second = inbox
+        .process("billing", "m1", async |c: &mut PgConnection| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            charge(c, "m1", 5).await
+        })
+        .await;
+    assert!(matches!(second, Err(InboxError::Store(_))), "{second:?}");
+    // The bound is 200 ms; the margin is for a loaded machine (without the bound the
+    // redelivery waits for the first, here until told to finish).
+    assert!(started.elapsed() < Duration::from_secs(4));
+
+    finish_tx.send(()).unwrap();
+    assert_eq!(first.await.unwrap().unwrap(), Delivery::Processed(5));
+    let third = inbox
+        .process("billing", "m1", async |c: &mut PgConnection| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            charge(c, "m1", 5).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(third, Delivery::Duplicate);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(ledger(&inbox).await, (1, 5));
+    done(schema, inbox).await;
+}

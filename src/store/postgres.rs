@@ -77,6 +77,19 @@ const MIGRATION_LOCK: i64 = 0x746f_7769_6465_6d31;
 /// costs the database. Every time (leases, expiry) is computed by the database with `now()`,
 /// so app instances with skewed clocks agree.
 ///
+/// # Poolers and bounds
+///
+/// Every statement goes over the simple query protocol with its values written in as
+/// literals, so the store works behind a pooler in transaction mode (PgBouncer, RDS Proxy,
+/// Supavisor) with nothing to configure: no prepared statement outlives its message, and no
+/// setting outlives its transaction. Each statement runs under the store's own
+/// `statement_timeout` and `lock_timeout` ([`with_statement_timeout`], 5 s;
+/// [`with_lock_timeout`], 1 s), set with `SET LOCAL` in the same message, so the
+/// application's statements keep their own settings.
+///
+/// [`with_statement_timeout`]: PostgresStore::with_statement_timeout
+/// [`with_lock_timeout`]: PostgresStore::with_lock_timeout
+///
 /// sqlx pings a connection when the pool hands it out (`test_before_acquire`, on by
 /// default): one more round trip per statement. On a reliable network, a pool built with
 /// `PgPoolOptions::new().test_before_acquire(false)` saves it.
