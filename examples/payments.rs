@@ -79,6 +79,8 @@
 //! - an order id is any whole number that fits 64 bits (negative ones too); in a body another
 //!   number is `422`, in a path anything else is `404`;
 //! - a body that is not JSON of the expected shape is `400`.
+//! - the database out of reach (a lost connection, a failover, a restart) is `503` with
+//!   `Retry-After`, like the layer's own `503`: nothing was committed, retry with the same key.
 //!
 //! Authentication is a toy: `Authorization: Bearer <tenant>` names the tenant; without the
 //! header the request belongs to the anonymous tenant. Keys are scoped per tenant, so tenants
@@ -98,7 +100,7 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::PathRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest as _, Path, Request, State};
-use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, WWW_AUTHENTICATE};
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use axum::http::request::Parts;
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{Next, from_fn};
@@ -675,6 +677,13 @@ async fn charge_at_provider(
         .map_err(|e| ApiError::bad_gateway(format!("cannot read the provider's answer: {e}")))?;
     // A 5xx of ours releases the client's key, so the client may retry; the provider
     // deduplicates that retry by the derived key.
+    if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::CONFLICT {
+        // The provider's store is unreachable, or an earlier attempt's charge is still in
+        // flight: retrying later is right (and a 503 is not stored, unlike a 4xx would be).
+        return Err(ApiError::unavailable(format!(
+            "the payment provider answered {status}; retry later"
+        )));
+    }
     if !status.is_success() {
         tracing::warn!(%status, body = %String::from_utf8_lossy(&body), "the provider refused a charge");
         return Err(ApiError::bad_gateway(format!(
@@ -845,14 +854,49 @@ impl ApiError {
     fn internal(detail: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, detail)
     }
+
+    /// `503`, answered with `Retry-After`: nothing was done, try again later.
+    fn unavailable(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, detail)
+    }
 }
 
 impl From<sqlx::Error> for ApiError {
-    /// Database errors are logged, not shown. A `500` releases the idempotency key, so the
-    /// client may retry.
+    /// Database errors are logged, not shown. The database out of reach (a lost connection, a
+    /// failover, a restart) or a transient conflict is a `503` with `Retry-After`; any other
+    /// error a `500`. Both release the idempotency key (nothing is committed), so the client
+    /// may retry.
     fn from(error: sqlx::Error) -> Self {
         tracing::error!(error = &error as &dyn std::error::Error, "database error");
-        Self::internal("the database failed; retry later")
+        if is_transient(&error) {
+            Self::unavailable("the database is unavailable; retry later")
+        } else {
+            Self::internal("the database failed; retry later")
+        }
+    }
+}
+
+/// Whether a database error says "try again": the connection or the server is gone (or not
+/// yet a primary), or the transaction lost a conflict.
+fn is_transient(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(e) => e.code().is_some_and(|code| {
+            // 08: connection exception; 57P01-57P03: the server shuts down or starts;
+            // 40001, 40P01: serialization failure, deadlock; 25006: a read-only standby;
+            // 53300: too many connections; 57014: a statement timeout.
+            code.starts_with("08")
+                || [
+                    "57P01", "57P02", "57P03", "40001", "40P01", "25006", "53300", "57014",
+                ]
+                .contains(&code.as_ref())
+        }),
+        _ => false,
     }
 }
 
@@ -875,11 +919,17 @@ impl IntoResponse for ApiError {
             detail: &self.detail,
         };
         let content_type = HeaderValue::from_static("application/problem+json");
-        match serde_json::to_string(&problem) {
+        let mut response = match serde_json::to_string(&problem) {
             Ok(body) => (self.status, [(CONTENT_TYPE, content_type)], body).into_response(),
             // Serialising strings and a number cannot fail; answer the bare status if it did.
             Err(_) => self.status.into_response(),
+        };
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from_static("1"));
         }
+        response
     }
 }
 

@@ -66,20 +66,27 @@ find_pg_bin() {
     return 1
 }
 
+# PostgreSQL's programs (initdb, pg_ctl, pg_basebackup, psql): for the throwaway cluster
+# below, and for the fault tests (tests/failover.rs, tests/connection_loss.rs), which start
+# private clusters of their own even when DATABASE_URL names a server elsewhere.
+ensure_pg_binaries() {
+    find_pg_bin >/dev/null && return 0
+    if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "scripts/test.sh: PostgreSQL is not installed; installing it with apt-get" >&2
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+        find_pg_bin >/dev/null || die "PostgreSQL was installed but initdb was not found"
+    else
+        die "PostgreSQL's programs (initdb, pg_ctl, pg_basebackup) are not installed; the
+fault tests start private clusters with them. Install PostgreSQL (Debian/Ubuntu: sudo apt-get
+install postgresql; macOS: brew install postgresql) and run ./scripts/test.sh again."
+    fi
+}
+
 start_throwaway_cluster() {
     local bin port=55432 run_as=()
-    if ! bin="$(find_pg_bin)"; then
-        if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
-            echo "scripts/test.sh: PostgreSQL is not installed; installing it with apt-get" >&2
-            apt-get update -qq
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
-            bin="$(find_pg_bin)" || die "PostgreSQL was installed but initdb was not found"
-        else
-            die "no PostgreSQL server at $url and PostgreSQL is not installed.
-Install it (Debian/Ubuntu: sudo apt-get install postgresql; macOS: brew install postgresql)
-and run ./scripts/test.sh again, or set DATABASE_URL to a server you own."
-        fi
-    fi
+    ensure_pg_binaries
+    bin="$(find_pg_bin)"
     local data="${TMPDIR:-/tmp}/tower-idempotency-pg-$EUID"
     if [[ $EUID -eq 0 ]]; then
         # PostgreSQL refuses to run as root: run the cluster as the postgres system user.
@@ -99,6 +106,7 @@ and run ./scripts/test.sh again, or set DATABASE_URL to a server you own."
     url="postgres://postgres@127.0.0.1:$port/postgres"
 }
 
+ensure_pg_binaries
 read -r host port < <(host_port "$url")
 if ! port_open "$host" "$port"; then
     if [[ -n "${DATABASE_URL:-}" && "$DATABASE_URL" != "$default_url" ]]; then
@@ -157,7 +165,8 @@ for level in "repeatable read" "serializable"; do
     echo "scripts/test.sh: the Postgres suites again at default_transaction_isolation = $level" >&2
     TI_ISOLATION="$level" cargo test --all-features \
         --test behaviour --test transactional --test postgres --test inbox --test model \
-        --test cancellation --test round_trips --test payments_e2e --test scope
+        --test cancellation --test round_trips --test payments_e2e --test scope \
+        --test connection_loss --test stalls
 done
 
 # The behaviour suite, the example's end-to-end tests and the pooler's own tests once more,

@@ -27,6 +27,11 @@ pub enum StoreError {
     /// `lock_timeout`). Whether a write that timed out took effect is unknown.
     #[error("idempotency store did not answer within {0:?}")]
     Timeout(std::time::Duration),
+    /// The store is full: it holds as many records or bytes as it may, and none it may drop
+    /// (see [`MemoryStore`](crate::MemoryStore)'s limits). Like any store error before the
+    /// handler runs, the layer answers it `503` with `Retry-After`.
+    #[error("idempotency store is full")]
+    Full,
 }
 
 impl StoreError {

@@ -97,7 +97,7 @@
 //! | the key header more than once | `400` |
 //! | a key, but no scope, with [`with_scope_required(true)`](IdempotencyLayer::with_scope_required) | `401`; handler not run, nothing stored |
 //! | body over the limit (default 1 MiB) | `413`; nothing stored |
-//! | store unreachable | `503` with `Retry-After: 1`; handler not run (fail closed) |
+//! | store unreachable, or a [`MemoryStore`] full (by default) | `503` with `Retry-After: 1`; handler not run (fail closed) |
 //! | method not covered (`GET`, `HEAD`, `OPTIONS`, `PUT`, `DELETE` by default) | passed through untouched: no allocation, no store access |
 //!
 //! Every answer of the layer's own is an RFC 9457 `application/problem+json` document; see
@@ -128,7 +128,9 @@
 //!
 //! # Stores
 //!
-//! - [`MemoryStore`]: in-process, for development, tests and single-process services.
+//! - [`MemoryStore`]: in-process, for development, tests and single-process services. Bounded
+//!   (1,000,000 records and 1 GiB by default; when full it fails closed, or evicts completed
+//!   answers: [`WhenFull`]), and it removes expired answers on its own as it is used.
 //! - [`PostgresStore`]: one table shared by every instance; run
 //!   [`migrate`](PostgresStore::migrate) at start. Times are computed by Postgres, so
 //!   instances with skewed clocks agree. A replay costs one statement, a first request two
@@ -136,7 +138,8 @@
 //! - Your own: implement [`Store`].
 //!
 //! Expired keys are deleted by [`Store::purge_expired`] in bounded batches; [`spawn_purge_task`]
-//! runs it periodically.
+//! runs it periodically. The Postgres store needs it; the memory store does not (a purge
+//! there also removes expired in-progress records its claims leave to their owners).
 //!
 //! # Choosing a mode
 //!
@@ -267,7 +270,9 @@ pub use plain::Lease;
 pub use rejection::Rejection;
 pub use response::{IDEMPOTENT_REPLAYED, StoredResponse};
 pub use service::Idempotency;
-pub use store::{ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, spawn_purge_task};
+pub use store::{
+    ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, WhenFull, spawn_purge_task,
+};
 #[cfg(feature = "postgres")]
 pub use store::{ClaimStrategy, PostgresStore};
 #[cfg(feature = "postgres")]

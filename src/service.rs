@@ -383,6 +383,15 @@ pub(crate) fn lease_lost() {
 }
 
 pub(crate) fn log_store_error(err: &StoreError, what: &'static str) {
+    // A full store is a capacity limit working as configured (and counted by the store),
+    // not a failure: a warning, not an error.
+    if matches!(err, StoreError::Full) {
+        tracing::warn!(
+            error = err as &dyn std::error::Error,
+            "idempotency store is full: failed to {what}"
+        );
+        return;
+    }
     tracing::error!(
         error = err as &dyn std::error::Error,
         "idempotency store failed to {what}"

@@ -17,15 +17,28 @@ use metrics::{
 };
 use support::{Calls, read, req};
 use tower::{Layer, ServiceExt};
-use tower_idempotency::{IdempotencyLayer, MemoryStore};
+use tower_idempotency::{
+    ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, Store,
+    StoreError, StoredResponse, WhenFull,
+};
 
 /// Every metric by `name{label=value,…}`: counters and histogram sample counts as integers,
-/// gauges as their value (in thousandths).
+/// gauges as their value (the bits of an `f64`).
 #[derive(Default, Clone)]
 struct Seen(Arc<Mutex<HashMap<String, Arc<Cell>>>>);
 
 #[derive(Default)]
-struct Cell(AtomicU64, std::sync::atomic::AtomicI64);
+struct Cell(AtomicU64, AtomicU64);
+
+impl Cell {
+    fn update(&self, f: impl Fn(f64) -> f64) {
+        let _ = self
+            .1
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |bits| {
+                Some(f(f64::from_bits(bits)).to_bits())
+            });
+    }
+}
 
 impl CounterFn for Cell {
     fn increment(&self, value: u64) {
@@ -38,13 +51,13 @@ impl CounterFn for Cell {
 
 impl GaugeFn for Cell {
     fn increment(&self, value: f64) {
-        self.1.fetch_add((value * 1000.0) as i64, Ordering::SeqCst);
+        self.update(|v| v + value);
     }
     fn decrement(&self, value: f64) {
-        self.1.fetch_sub((value * 1000.0) as i64, Ordering::SeqCst);
+        self.update(|v| v - value);
     }
     fn set(&self, value: f64) {
-        self.1.store((value * 1000.0) as i64, Ordering::SeqCst);
+        self.update(|_| value);
     }
 }
 
@@ -75,7 +88,7 @@ impl Seen {
             .lock()
             .unwrap()
             .get(name)
-            .map_or(0.0, |c| c.1.load(Ordering::SeqCst) as f64 / 1000.0)
+            .map_or(0.0, |c| f64::from_bits(c.1.load(Ordering::SeqCst)))
     }
     fn outcome(&self, outcome: &str) -> u64 {
         self.count(&format!(
@@ -110,7 +123,8 @@ async fn outcomes_gauges_latencies_and_store_failures_are_reported() {
 
     // Outcomes.
     let calls = Calls::default();
-    let svc = IdempotencyLayer::new(MemoryStore::new()).layer(support::handler(calls.clone()));
+    let svc_store = MemoryStore::new();
+    let svc = IdempotencyLayer::new(svc_store.clone()).layer(support::handler(calls.clone()));
     let send = |key: Option<&str>, body: &str| svc.clone().oneshot(req("POST", "/pay", key, body));
     read(send(Some("kq1"), "a").await.unwrap()).await;
     read(send(Some("kq1"), "a").await.unwrap()).await;
@@ -131,6 +145,39 @@ async fn outcomes_gauges_latencies_and_store_failures_are_reported() {
         seen.count("tower_idempotency_store_call_seconds{operation=complete}"),
         1
     );
+
+    // The memory store's own: records and bytes held, claims refused, records evicted.
+    assert_eq!(seen.gauge("tower_idempotency_memory_records{}"), 1.0);
+    let store = MemoryStore::new().with_max_entries(1);
+    let claim = |k: &'static str| ClaimRequest {
+        scope: "",
+        key: Box::leak(Box::new(IdempotencyKey::parse(k).unwrap())),
+        fingerprint: Fingerprint::from_bytes([1; 32]),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+    };
+    let ClaimOutcome::Acquired { token, .. } = store.claim(claim("a")).await.unwrap() else {
+        panic!("a new key");
+    };
+    let answer = StoredResponse::new(http::StatusCode::OK, Default::default(), "{}".into());
+    let a = IdempotencyKey::parse("a").unwrap();
+    let ttl = Duration::from_secs(60);
+    assert!(store.complete("", &a, token, &answer, ttl).await.unwrap());
+    assert!(matches!(
+        store.claim(claim("b")).await,
+        Err(StoreError::Full)
+    ));
+    assert_eq!(seen.count("tower_idempotency_memory_rejections_total{}"), 1);
+    assert_eq!(seen.gauge("tower_idempotency_memory_records{}"), 2.0);
+    #[allow(clippy::cast_precision_loss)]
+    let held = (store.bytes() + svc_store.bytes()) as f64;
+    assert_eq!(seen.gauge("tower_idempotency_memory_bytes{}"), held);
+    let store = store.with_when_full(WhenFull::EvictCompleted);
+    store.claim(claim("b")).await.unwrap();
+    assert_eq!(seen.count("tower_idempotency_memory_evictions_total{}"), 1);
+    assert_eq!(seen.gauge("tower_idempotency_memory_records{}"), 2.0);
+    drop(store);
+    assert_eq!(seen.gauge("tower_idempotency_memory_records{}"), 1.0);
 
     // The in-flight gauge: up while a handler runs, back down when it answered.
     let slow = svc

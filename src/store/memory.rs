@@ -1,5 +1,5 @@
-use std::collections::HashMap;
 use std::collections::hash_map::Entry as MapEntry;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -13,7 +13,27 @@ use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, MAX_KEY_LEN};
 use crate::response::StoredResponse;
 
+mod answer;
+mod usage;
+
+use answer::Answer;
+pub use usage::WhenFull;
+use usage::{Usage, answer_bytes, count_evicted, count_expired, count_rejected, record_bytes};
+
 const SHARDS: usize = 16;
+
+/// How many expired answers a claim removes from its shard, at most, before it looks up its
+/// key. More than one: a claim adds at most one record, so the store drops expired answers
+/// faster than it takes new ones.
+const SWEEP_PER_CLAIM: usize = 4;
+
+/// How many expired answers a claim that finds the store full removes from each shard, at
+/// most, before it applies the [`WhenFull`] policy.
+const SWEEP_WHEN_FULL: usize = 64;
+
+/// How many times a claim that finds the store full frees records (expired ones, or evicted
+/// ones) and tries again before it gives up.
+const ROOM_ATTEMPTS: usize = 16;
 
 /// An in-process store: the default for development, tests and single-process services.
 ///
@@ -22,6 +42,57 @@ const SHARDS: usize = 16;
 /// other's keys: run several instances against [`PostgresStore`](crate::PostgresStore).
 ///
 /// Times come from Tokio's clock, so tests can use `tokio::time::pause`.
+///
+/// # Limits
+///
+/// The store holds at most [`with_max_entries`](Self::with_max_entries) records (default
+/// 1,000,000) and about [`with_max_bytes`](Self::with_max_bytes) bytes (default 1 GiB). The
+/// bytes counted for a record are its key, its scope, its answer's status, header names and
+/// values and body (with their lengths), and a fixed estimate of what the store spends around
+/// them (296 bytes a record, 64 an answer). A record with a 36-character key and a 60-byte
+/// JSON answer counts 497 bytes, and takes about 500 of resident memory (measured by
+/// `benches/memory_bytes.rs`). With the defaults, a million small answers fit (about 500 MB);
+/// larger answers hit the byte limit first.
+///
+/// The limits are checked when a claim would add a record for a new key. Expired answers do
+/// not count: a full store drops them first. If that does not make room, the store applies its
+/// [`WhenFull`] policy ([`with_when_full`](Self::with_when_full)): by default it fails closed
+/// ([`StoreError::Full`], which the layer answers `503` with `Retry-After`); or it evicts the
+/// completed records nearest their expiry. In-progress records are never evicted. Everything
+/// but a new key's claim goes on as usual when full: replays, `409`s for running keys, and the
+/// answers of running requests, which are always stored (so the bytes may pass the limit by
+/// the answers of the requests running when it was reached).
+///
+/// # Expiry
+///
+/// An expired record counts as absent at once. The store also removes expired answers on its
+/// own, with no task to spawn: each claim first removes up to four from its shard (its shard
+/// adds one record at most), in the order they expire, so memory stays bounded by what is
+/// live. An in-progress record that outlived its lease and TTL stays until its owner completes
+/// or releases it, a claim of its key replaces it, or [`purge_expired`](Store::purge_expired)
+/// removes it (as the [`Store`] contract says, its token holds it until then).
+/// [`purge_expired`](Store::purge_expired) and
+/// [`spawn_purge_task`](crate::spawn_purge_task) still work, removing every expired record;
+/// like the claims, they take records from the front of an expiry index, at most
+/// `batch_size` per hold of a shard's lock, and never scan a shard.
+///
+/// # Metrics
+///
+/// With the `metrics` feature: the gauges `tower_idempotency_memory_records` and
+/// `tower_idempotency_memory_bytes` (summed over the process's memory stores), and the
+/// counters `tower_idempotency_memory_evictions_total`,
+/// `tower_idempotency_memory_rejections_total` (claims refused because the store was full)
+/// and `tower_idempotency_memory_expired_total` (expired records removed). None has labels.
+///
+/// ```
+/// use tower_idempotency::{MemoryStore, WhenFull};
+///
+/// let store = MemoryStore::new()
+///     .with_max_entries(100_000)
+///     .with_max_bytes(64 << 20)
+///     .with_when_full(WhenFull::EvictCompleted);
+/// # let _ = store;
+/// ```
 #[derive(Clone, Default)]
 pub struct MemoryStore {
     inner: Arc<Inner>,
@@ -33,15 +104,34 @@ struct Inner {
     /// Randomly keyed SipHash, as `HashMap`'s default: clients choose the keys, so they must
     /// not be able to choose colliding hashes.
     hasher: std::hash::RandomState,
+    usage: Usage,
     /// Tests only: every (scope, key) gets the same hash, so that records share slots.
     #[cfg(test)]
     same_hash: bool,
+    /// Tests only: the most index entries one hold of a shard's lock looked at.
+    #[cfg(test)]
+    most_looked_at: std::sync::atomic::AtomicUsize,
+}
+
+/// One shard: its records, and their index by expiry.
+#[derive(Default)]
+struct Shard {
+    map: Map,
+    index: Index,
 }
 
 /// Records by the hash of their (scope, key). Each call hashes its (scope, key) once; the
 /// shard and the map use that hash as it is (see [`Prehashed`]). Records whose hashes collide
 /// share a [`Slot`].
-type Shard = HashMap<u64, Slot, BuildHasherDefault<Prehashed>>;
+type Map = HashMap<u64, Slot, BuildHasherDefault<Prehashed>>;
+
+/// The records of a shard by (expiry, id), each mapped to its hash: one entry per record,
+/// in the tree of its state. The front of each tree is the next record to expire.
+#[derive(Default)]
+struct Index {
+    running: BTreeMap<(Instant, i64), u64>,
+    completed: BTreeMap<(Instant, i64), u64>,
+}
 
 /// A map hasher for keys that already are a hash: it returns the `u64` it was given.
 #[derive(Default)]
@@ -79,20 +169,56 @@ struct Record {
 struct Entry {
     fingerprint: Fingerprint,
     expires_at: Instant,
+    /// The raw token of the claim that made the record: unique, so it names the record in
+    /// the [`Index`].
+    id: i64,
     state: State,
 }
 
 enum State {
-    InProgress {
-        token: LeaseToken,
-        lease_until: Instant,
-    },
-    Completed(StoredResponse),
+    InProgress { lease_until: Instant },
+    Completed(Answer),
+}
+
+impl Entry {
+    fn holds(&self, token: LeaseToken) -> bool {
+        matches!(self.state, State::InProgress { .. }) && self.id == token.into_raw()
+    }
+
+    /// The bytes counted for its answer (none while in progress).
+    fn answer_bytes(&self) -> usize {
+        match &self.state {
+            State::Completed(answer) => answer_bytes(answer.len()),
+            State::InProgress { .. } => 0,
+        }
+    }
 }
 
 impl Record {
     fn is(&self, scope: &str, key: &IdempotencyKey) -> bool {
         self.key == *key && *self.scope == *scope
+    }
+
+    /// The bytes counted for the record.
+    fn bytes(&self) -> usize {
+        record_bytes(&self.scope, &self.key) + self.entry.answer_bytes()
+    }
+}
+
+impl Index {
+    fn tree(&mut self, entry: &Entry) -> &mut BTreeMap<(Instant, i64), u64> {
+        match entry.state {
+            State::InProgress { .. } => &mut self.running,
+            State::Completed(_) => &mut self.completed,
+        }
+    }
+
+    fn insert(&mut self, hash: u64, entry: &Entry) {
+        self.tree(entry).insert((entry.expires_at, entry.id), hash);
+    }
+
+    fn remove(&mut self, entry: &Entry) {
+        self.tree(entry).remove(&(entry.expires_at, entry.id));
     }
 }
 
@@ -125,16 +251,64 @@ impl Slot {
         };
         *self = Slot::Many(records);
     }
+}
 
-    /// Keeps the records for which `keep` holds; `false` when none is left.
-    fn retain(&mut self, mut keep: impl FnMut(&Record) -> bool) -> bool {
-        match self {
-            Slot::One(r) => keep(r),
+impl Shard {
+    /// Removes the record `id` of `hash` from the map (not from the index).
+    fn take(&mut self, hash: u64, id: i64) -> Option<Record> {
+        let MapEntry::Occupied(mut slot) = self.map.entry(hash) else {
+            return None;
+        };
+        match slot.get_mut() {
+            Slot::One(r) if r.entry.id == id => match slot.remove() {
+                Slot::One(r) => Some(r),
+                Slot::Many(_) => None,
+            },
+            Slot::One(_) => None,
             Slot::Many(rs) => {
-                rs.retain(|r| keep(r));
-                !rs.is_empty()
+                let i = rs.iter().position(|r| r.entry.id == id)?;
+                let record = rs.swap_remove(i);
+                if rs.is_empty() {
+                    slot.remove();
+                }
+                Some(record)
             }
         }
+    }
+
+    /// Removes up to `max` records that expired by `now`, from the front of the index
+    /// (completed records only unless `running` too); returns how many, their bytes, and how
+    /// many index entries it looked at (`max + 2` at most: no scan).
+    fn sweep(&mut self, now: Instant, max: usize, running: bool) -> (usize, usize, usize) {
+        let (mut n, mut bytes, mut looked) = (0, 0, 0);
+        for tree in [true, false] {
+            if !tree && !running {
+                break;
+            }
+            while n < max {
+                let index = if tree {
+                    &mut self.index.completed
+                } else {
+                    &mut self.index.running
+                };
+                let Some(entry) = index.first_entry() else {
+                    break;
+                };
+                looked += 1;
+                let &(expires_at, id) = entry.key();
+                if expires_at > now {
+                    break;
+                }
+                let hash = entry.remove();
+                // Every index entry names a record of the map; were one not to, it is gone
+                // from the index now all the same.
+                if let Some(record) = self.take(hash, id) {
+                    n += 1;
+                    bytes += record.bytes();
+                }
+            }
+        }
+        (n, bytes, looked)
     }
 }
 
@@ -147,35 +321,59 @@ fn next_token() -> LeaseToken {
 
 impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let usage = &self.inner.usage;
         f.debug_struct("MemoryStore")
-            .field("records", &self.len())
+            .field("records", &usage.entries())
+            .field("bytes", &usage.bytes())
+            .field("max_entries", &usage.max_entries())
+            .field("max_bytes", &usage.max_bytes())
+            .field("when_full", &usage.when_full())
             .finish()
     }
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store, with the default limits (1,000,000 records, 1 GiB) and policy
+    /// ([`WhenFull::Reject`]).
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// The number of records held, expired ones included until they are purged.
+    /// Sets the most records the store holds (default 1,000,000). Records already held are
+    /// kept; only claims of new keys are checked. Applies to every clone of this store.
+    pub fn with_max_entries(self, max: usize) -> Self {
+        self.inner.usage.set_max_entries(max);
+        self
+    }
+
+    /// Sets the most bytes the store counts (default 1 GiB; see [Limits](Self#limits) for
+    /// what is counted). Records already held are kept; only claims of new keys are checked.
+    /// Applies to every clone of this store.
+    pub fn with_max_bytes(self, max: usize) -> Self {
+        self.inner.usage.set_max_bytes(max);
+        self
+    }
+
+    /// Sets what a claim of a new key does when the store is full (default
+    /// [`WhenFull::Reject`]). Applies to every clone of this store.
+    pub fn with_when_full(self, policy: WhenFull) -> Self {
+        self.inner.usage.set_when_full(policy);
+        self
+    }
+
+    /// The number of records held, expired ones included until they are removed.
     pub fn len(&self) -> usize {
-        self.inner
-            .shards
-            .iter()
-            .map(|s| {
-                lock(s)
-                    .values()
-                    .map(|slot| slot.records().len())
-                    .sum::<usize>()
-            })
-            .sum()
+        self.inner.usage.entries()
     }
 
     /// Whether the store holds no records.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The bytes counted for the records held (see [Limits](Self#limits)).
+    pub fn bytes(&self) -> usize {
+        self.inner.usage.bytes()
     }
 
     /// The hash of a (scope, key) and its shard, locked.
@@ -195,24 +393,95 @@ impl MemoryStore {
         (hash, lock(&self.inner.shards[i]))
     }
 
-    /// Calls `f` with the record of (scope, key) while `token` holds it, expired or not: a
-    /// token holds its in-progress record until another claim replaces it, or it is
-    /// released or purged (as in the Postgres store, whose statements match the token alone).
+    /// Removes expired records from the front of one shard's index, at most `max` in this
+    /// hold of its lock; counts them.
+    fn sweep(&self, shard: &mut Shard, now: Instant, max: usize, running: bool) -> usize {
+        let (n, bytes, _looked) = shard.sweep(now, max, running);
+        #[cfg(test)]
+        self.inner
+            .most_looked_at
+            .fetch_max(_looked, Ordering::Relaxed);
+        self.inner.usage.freed(n, bytes);
+        count_expired(n);
+        n
+    }
+
+    /// Frees room for a new record of `bytes` and reserves it; `false` when the store is
+    /// full of records it may not drop. Called with no shard locked; locks one at a time.
+    fn make_room(&self, bytes: usize) -> bool {
+        let usage = &self.inner.usage;
+        for _ in 0..ROOM_ATTEMPTS {
+            if usage.try_reserve(bytes) {
+                return true;
+            }
+            let now = Instant::now();
+            let mut freed = 0;
+            for shard in &self.inner.shards {
+                freed += self.sweep(&mut lock(shard), now, SWEEP_WHEN_FULL, false);
+            }
+            if freed == 0 && usage.when_full() == WhenFull::EvictCompleted && self.evict_one() {
+                freed = 1;
+            }
+            if freed == 0 {
+                return false;
+            }
+        }
+        usage.try_reserve(bytes)
+    }
+
+    /// Evicts the completed record nearest its expiry, of all shards; `false` when there is
+    /// none. Locks one shard at a time.
+    fn evict_one(&self) -> bool {
+        let mut first: Option<((Instant, i64), usize)> = None;
+        for (i, shard) in self.inner.shards.iter().enumerate() {
+            let front = lock(shard)
+                .index
+                .completed
+                .first_key_value()
+                .map(|(&at, _)| at);
+            if let Some(at) = front
+                && first.is_none_or(|(f, _)| at < f)
+            {
+                first = Some((at, i));
+            }
+        }
+        // Whatever that shard's first completed record is now (it may have changed since).
+        let Some((_, i)) = first else {
+            return false;
+        };
+        let mut shard = lock(&self.inner.shards[i]);
+        let Some(((_, id), hash)) = shard.index.completed.pop_first() else {
+            return false;
+        };
+        let Some(record) = shard.take(hash, id) else {
+            return false;
+        };
+        drop(shard);
+        self.inner.usage.freed(1, record.bytes());
+        count_evicted(1);
+        true
+    }
+
+    /// Calls `f` with the record of (scope, key) while `token` holds it, expired or not, and
+    /// the shard's index: a token holds its in-progress record until another claim replaces
+    /// it, or it is released or purged (as in the Postgres store, whose statements match the
+    /// token alone).
     fn with_held<T>(
         &self,
         scope: &str,
         key: &IdempotencyKey,
         token: LeaseToken,
-        f: impl FnOnce(Option<&mut Entry>, Instant) -> T,
+        f: impl FnOnce(Option<(&mut Entry, &mut Index, u64)>, Instant) -> T,
     ) -> T {
         let (hash, mut shard) = self.shard(scope, key);
         let now = Instant::now();
-        let entry = shard
+        let Shard { map, index } = &mut *shard;
+        let entry = map
             .get_mut(&hash)
             .and_then(|slot| slot.find_mut(scope, key))
             .map(|r| &mut r.entry)
-            .filter(|e| matches!(e.state, State::InProgress { token: t, .. } if t == token));
-        f(entry, now)
+            .filter(|e| e.holds(token));
+        f(entry.map(|e| (e, index, hash)), now)
     }
 }
 
@@ -259,62 +528,87 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Store for MemoryStore {
     async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
-        let (hash, mut shard) = self.shard(req.scope, req.key);
-        let now = Instant::now();
-        let fresh = |takeover: bool| {
-            let token = next_token();
-            let entry = Entry {
-                fingerprint: req.fingerprint,
-                // An in-progress record lives at least as long as its lease.
-                expires_at: after(now, req.ttl.max(req.lease)),
-                state: State::InProgress {
-                    token,
-                    lease_until: after(now, req.lease),
-                },
+        let bytes = record_bytes(req.scope, req.key);
+        let usage = &self.inner.usage;
+        // Whether room for a new record is reserved already (after the store was full).
+        let mut reserved = false;
+        loop {
+            let (hash, mut shard) = self.shard(req.scope, req.key);
+            let now = Instant::now();
+            self.sweep(&mut shard, now, SWEEP_PER_CLAIM, false);
+            let fresh = |takeover: bool| {
+                let token = next_token();
+                let entry = Entry {
+                    fingerprint: req.fingerprint,
+                    // An in-progress record lives at least as long as its lease.
+                    expires_at: after(now, req.ttl.max(req.lease)),
+                    id: token.into_raw(),
+                    state: State::InProgress {
+                        lease_until: after(now, req.lease),
+                    },
+                };
+                (entry, ClaimOutcome::Acquired { token, takeover })
             };
-            (entry, ClaimOutcome::Acquired { token, takeover })
-        };
-        let new_record = |entry| Record {
-            scope: req.scope.into(),
-            key: req.key.clone(),
-            entry,
-        };
-        let slot = match shard.entry(hash) {
-            MapEntry::Occupied(slot) => slot.into_mut(),
-            MapEntry::Vacant(vacant) => {
+            let Shard { map, index } = &mut *shard;
+            let existing = map
+                .get_mut(&hash)
+                .and_then(|slot| slot.find_mut(req.scope, req.key));
+            if let Some(record) = existing {
+                if reserved {
+                    usage.unreserve(bytes);
+                }
+                let e = &mut record.entry;
+                // Replaces the record in place: same key, so only its answer's bytes go.
+                let mut replace = |e: &mut Entry, takeover| {
+                    let (entry, outcome) = fresh(takeover);
+                    index.remove(e);
+                    usage.freed(0, e.answer_bytes());
+                    *e = entry;
+                    index.insert(hash, e);
+                    outcome
+                };
+                if e.expires_at <= now {
+                    // Expired: count it as absent and reuse its slot.
+                    return Ok(replace(e, false));
+                }
+                if e.fingerprint != req.fingerprint {
+                    return Ok(ClaimOutcome::Mismatch);
+                }
+                return match &e.state {
+                    State::Completed(answer) => Ok(ClaimOutcome::Completed(answer.decode()?)),
+                    State::InProgress { lease_until } if *lease_until > now => {
+                        Ok(ClaimOutcome::InFlight {
+                            retry_after: *lease_until - now,
+                        })
+                    }
+                    State::InProgress { .. } => Ok(replace(e, true)),
+                };
+            }
+            if reserved || usage.try_reserve(bytes) {
                 let (entry, outcome) = fresh(false);
-                vacant.insert(Slot::One(new_record(entry)));
+                index.insert(hash, &entry);
+                let record = Record {
+                    scope: req.scope.into(),
+                    key: req.key.clone(),
+                    entry,
+                };
+                match map.entry(hash) {
+                    // Another (scope, key) with the same hash.
+                    MapEntry::Occupied(slot) => slot.into_mut().push(record),
+                    MapEntry::Vacant(vacant) => {
+                        vacant.insert(Slot::One(record));
+                    }
+                }
                 return Ok(outcome);
             }
-        };
-        let Some(record) = slot.find_mut(req.scope, req.key) else {
-            // Another (scope, key) with the same hash.
-            let (entry, outcome) = fresh(false);
-            slot.push(new_record(entry));
-            return Ok(outcome);
-        };
-        let e = &mut record.entry;
-        if e.expires_at <= now {
-            // Expired: count it as absent and reuse its slot.
-            let (entry, outcome) = fresh(false);
-            *e = entry;
-            return Ok(outcome);
-        }
-        if e.fingerprint != req.fingerprint {
-            return Ok(ClaimOutcome::Mismatch);
-        }
-        match &e.state {
-            State::Completed(resp) => Ok(ClaimOutcome::Completed(resp.clone())),
-            State::InProgress { lease_until, .. } if *lease_until > now => {
-                Ok(ClaimOutcome::InFlight {
-                    retry_after: *lease_until - now,
-                })
+            // Full: make room with no shard locked, then look again (the key may have been
+            // claimed meanwhile).
+            drop(shard);
+            if !self.make_room(bytes) {
+                count_rejected();
+                return Err(StoreError::Full);
             }
-            State::InProgress { .. } => {
-                let (entry, outcome) = fresh(true);
-                *e = entry;
-                Ok(outcome)
-            }
+            reserved = true;
         }
     }
 
@@ -326,10 +620,13 @@ impl Store for MemoryStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.with_held(scope, key, token, |entry, now| match entry {
-            Some(e) => {
-                e.state = State::Completed(response.clone());
+        Ok(self.with_held(scope, key, token, |held, now| match held {
+            Some((e, index, hash)) => {
+                index.remove(e);
+                e.state = State::Completed(Answer::encode(response));
                 e.expires_at = after(now, ttl);
+                index.insert(hash, e);
+                self.inner.usage.grew(e.answer_bytes());
                 true
             }
             None => false,
@@ -343,18 +640,18 @@ impl Store for MemoryStore {
         token: LeaseToken,
     ) -> Result<bool, StoreError> {
         let (hash, mut shard) = self.shard(scope, key);
-        let MapEntry::Occupied(mut slot) = shard.entry(hash) else {
-            return Ok(false);
-        };
-        let held = |r: &Record| {
-            r.is(scope, key)
-                && matches!(r.entry.state, State::InProgress { token: t, .. } if t == token)
-        };
-        if !slot.get().records().iter().any(held) {
+        let held = shard.map.get(&hash).is_some_and(|slot| {
+            slot.records()
+                .iter()
+                .any(|r| r.is(scope, key) && r.entry.holds(token))
+        });
+        if !held {
             return Ok(false);
         }
-        if !slot.get_mut().retain(|r| !held(r)) {
-            slot.remove();
+        if let Some(record) = shard.take(hash, token.into_raw()) {
+            shard.index.remove(&record.entry);
+            drop(shard);
+            self.inner.usage.freed(1, record.bytes());
         }
         Ok(true)
     }
@@ -366,18 +663,19 @@ impl Store for MemoryStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.with_held(scope, key, token, |entry, now| match entry {
-            Some(Entry {
-                state: State::InProgress { lease_until, .. },
-                expires_at,
-                ..
-            }) => {
-                *lease_until = after(now, lease);
+        Ok(self.with_held(scope, key, token, |held, now| match held {
+            Some((e, index, hash)) => {
+                index.remove(e);
+                let until = after(now, lease);
+                if let State::InProgress { lease_until } = &mut e.state {
+                    *lease_until = until;
+                }
                 // The record lives at least as long as the lease it now holds.
-                *expires_at = (*expires_at).max(*lease_until);
+                e.expires_at = e.expires_at.max(until);
+                index.insert(hash, e);
                 true
             }
-            _ => false,
+            None => false,
         }))
     }
 
@@ -386,21 +684,9 @@ impl Store for MemoryStore {
         let mut deleted = 0u64;
         for shard in &self.inner.shards {
             loop {
-                // Bounded work per lock, so a purge never stalls requests on that shard.
-                let mut map = lock(shard);
-                let now = Instant::now();
-                let mut budget = batch;
-                map.retain(|_, slot| {
-                    slot.retain(|r| {
-                        if budget > 0 && r.entry.expires_at <= now {
-                            budget -= 1;
-                            false
-                        } else {
-                            true
-                        }
-                    })
-                });
-                let n = batch - budget;
+                // At most `batch` records per hold of the lock, taken from the front of the
+                // expiry index: a purge never scans a shard, nor stalls its requests.
+                let n = self.sweep(&mut lock(shard), Instant::now(), batch, true);
                 deleted += n as u64;
                 if n < batch {
                     break;
@@ -511,6 +797,71 @@ mod tests {
             ClaimOutcome::Completed(answer)
         );
         assert_eq!(store.purge_expired(10).await.unwrap(), 0);
+    }
+
+    async fn store_answer(store: &MemoryStore, k: &str, ttl: Duration) {
+        let key = IdempotencyKey::parse(k).unwrap();
+        let t = token(store.claim(claim("", &key)).await.unwrap());
+        let answer = StoredResponse::new(StatusCode::OK, HeaderMap::new(), Bytes::new());
+        assert!(store.complete("", &key, t, &answer, ttl).await.unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_claim_removes_up_to_four_expired_answers_of_its_shard() {
+        // One shard, one slot: every record is in the claims' way.
+        let store = colliding();
+        for i in 0..10 {
+            store_answer(&store, &format!("old{i}"), Duration::from_secs(1)).await;
+        }
+        let running = IdempotencyKey::parse("running").unwrap();
+        let expired_claim = ClaimRequest {
+            lease: Duration::from_millis(100),
+            ttl: Duration::from_millis(100),
+            ..claim("", &running)
+        };
+        let t = token(store.claim(expired_claim).await.unwrap());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let bytes = store.bytes();
+        for (i, left) in [(0, 8), (1, 5), (2, 4), (3, 5)] {
+            let key = IdempotencyKey::parse(&format!("new{i}")).unwrap();
+            token(store.claim(claim("", &key)).await.unwrap());
+            assert_eq!(store.len(), left, "after claim {i}");
+        }
+        assert!(store.bytes() < bytes);
+        // The expired in-progress record stays: its token still holds it.
+        assert!(
+            store
+                .renew("", &running, t, Duration::from_secs(1))
+                .await
+                .unwrap()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sweeping_and_purging_never_scan_a_shard() {
+        let store = MemoryStore::new();
+        let n = 200_000;
+        for i in 0..n {
+            store_answer(&store, &format!("k{i}"), Duration::from_secs(1)).await;
+        }
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let looked = &store.inner.most_looked_at;
+
+        // A claim removes a few expired answers, looking at no more index entries than that.
+        looked.store(0, Ordering::Relaxed);
+        let key = IdempotencyKey::parse("new").unwrap();
+        token(store.claim(claim("", &key)).await.unwrap());
+        assert!(looked.load(Ordering::Relaxed) <= SWEEP_PER_CLAIM + 1);
+        let left = store.len();
+        assert!((n + 1 - SWEEP_PER_CLAIM..=n).contains(&left), "{left}");
+
+        // A purge takes at most a batch per hold of a shard's lock: 13,000 expired records
+        // a shard, 1,000 a batch, so each shard's lock is let go a dozen times at least.
+        looked.store(0, Ordering::Relaxed);
+        let purged = store.purge_expired(1000).await.unwrap();
+        assert_eq!(purged, (left - 1) as u64);
+        assert!(looked.load(Ordering::Relaxed) <= 1000 + 2);
+        assert_eq!(store.len(), 1);
     }
 
     #[tokio::test(start_paused = true)]

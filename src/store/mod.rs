@@ -43,7 +43,7 @@ pub(crate) mod postgres;
 #[cfg(feature = "postgres")]
 pub(crate) mod sql;
 
-pub use memory::MemoryStore;
+pub use memory::{MemoryStore, WhenFull};
 #[cfg(feature = "postgres")]
 pub use postgres::{ClaimStrategy, PostgresStore};
 

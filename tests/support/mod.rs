@@ -15,6 +15,10 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tower_idempotency::PostgresStore;
 use tower_idempotency::body::RequestBody;
 
+pub mod cluster;
+pub mod faults;
+pub mod proxy;
+
 /// The server the Postgres tests use: `DATABASE_URL`, or the local service. Admin work
 /// (creating and dropping schemas, roles and databases) and the tests' own inspections always
 /// go straight to it, also in pooler mode.
