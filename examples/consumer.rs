@@ -109,6 +109,9 @@ async fn apply(conn: &mut PgConnection, id: &str, charge: &Charge) -> Result<(),
     .bind(id)
     .bind(&charge.account)
     .bind(charge.amount_cents)
+    // Unprepared: a statement prepared under a name would stay behind on the server
+    // connection, which a transaction-mode pooler hands to other clients.
+    .persistent(false)
     .execute(conn)
     .await?;
     Ok(())
@@ -128,7 +131,8 @@ async fn run() -> Result<(), Error> {
     let inbox = Inbox::new(pool.clone());
     inbox.migrate().await?;
     // No unique constraint on message_id: the inbox alone must keep charges single.
-    sqlx::query(
+    // (Simple query protocol: nothing prepared, safe through a transaction-mode pooler.)
+    sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS example_ledger (
              id bigserial PRIMARY KEY,
              message_id text NOT NULL,

@@ -110,8 +110,8 @@ use axum::{Extension, Json, Router};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Number;
-use sqlx::postgres::{PgExecutor, PgPoolOptions};
-use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgConnection, PgPool, Postgres, Row as _, Transaction};
 use tower::ServiceExt as _;
 use tower_idempotency::{
     IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, IdempotentTx, MemoryStore, Mode,
@@ -973,11 +973,22 @@ impl Storage {
     /// [`POOL_SIZE`] concurrent payments could hold every connection and wait for the
     /// provider until the acquire timeout failed them all. For the same reason no handler
     /// takes a second connection from its pool while it holds its transaction.
+    ///
+    /// `DATABASE_URL` may name a pooler in transaction pooling mode (PgBouncer, say), which
+    /// hands each transaction, and each statement outside one, to whichever server connection
+    /// is free. So the example's own SQL never leaves anything on a server connection: a
+    /// statement with parameters runs inside a transaction and unprepared
+    /// (`.persistent(false)`; sqlx would otherwise prepare it under a name and reuse that
+    /// name on the next connection), and one outside a transaction has no parameters and goes
+    /// over the simple query protocol ([`sqlx::raw_sql`]). Locks are transaction-level
+    /// (`pg_advisory_xact_lock`). Mind the pooler's pool size: a payment in flight holds a
+    /// server connection (its transaction) while the provider needs another for its own.
     async fn postgres(url: &str) -> Result<Self, BoxError> {
         let payments = connect(url).await?;
         let mut tx = payments.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(SCHEMA_LOCK)
+            .persistent(false)
             .execute(&mut *tx)
             .await?;
         sqlx::raw_sql(SCHEMA)
@@ -1109,10 +1120,10 @@ CREATE TABLE IF NOT EXISTS example_webhook_events (
 );
 ";
 
-/// An order with its payments, read by `executor`: the pool, or a request's transaction
-/// (which sees the request's own writes).
-async fn select_order<'c>(
-    executor: impl PgExecutor<'c>,
+/// An order with its payments, read in a transaction: a request's (which sees the request's
+/// own writes), or one of its own ([`Db::order`]).
+async fn select_order(
+    conn: &mut PgConnection,
     tenant: &str,
     order_id: i64,
 ) -> Result<Order, sqlx::Error> {
@@ -1128,7 +1139,8 @@ async fn select_order<'c>(
     )
     .bind(tenant)
     .bind(order_id)
-    .fetch_one(executor)
+    .persistent(false)
+    .fetch_one(conn)
     .await?;
     let total_cents = total_cents
         .parse()
@@ -1139,6 +1151,15 @@ async fn select_order<'c>(
         payments,
         shipping_address,
     })
+}
+
+/// The number of rows in `table`, in one simple-protocol statement (no parameters, nothing
+/// prepared: safe through a transaction-mode pooler; see `Storage`).
+async fn count_rows(pool: &PgPool, table: &'static str) -> Result<i64, sqlx::Error> {
+    let row = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+        .fetch_one(pool)
+        .await?;
+    row.try_get(0)
 }
 
 impl Db {
@@ -1157,11 +1178,7 @@ impl Db {
     async fn charge_count(&self) -> Result<i64, sqlx::Error> {
         match self {
             Self::Memory(memory) => Ok(with_memory(memory, |m| m.charges)),
-            Self::Postgres(pool) => {
-                sqlx::query_scalar("SELECT count(*) FROM example_provider_charges")
-                    .fetch_one(pool)
-                    .await
-            }
+            Self::Postgres(pool) => count_rows(pool, "example_provider_charges").await,
         }
     }
 
@@ -1169,7 +1186,15 @@ impl Db {
     async fn order(&self, tenant: &str, order_id: i64) -> Result<Order, sqlx::Error> {
         match self {
             Self::Memory(memory) => Ok(with_memory(memory, |m| m.order(tenant, order_id))),
-            Self::Postgres(pool) => select_order(pool, tenant, order_id).await,
+            Self::Postgres(pool) => {
+                // A statement with parameters outside a transaction is two exchanges with the
+                // server, which a pooler may send to two server connections: read in a
+                // transaction of its own (see `Storage`).
+                let mut tx = pool.begin().await?;
+                let order = select_order(&mut tx, tenant, order_id).await?;
+                tx.commit().await?;
+                Ok(order)
+            }
         }
     }
 
@@ -1182,11 +1207,7 @@ impl Db {
                     .unwrap_or(i64::MAX)
                     .saturating_add(m.webhooks_without_id)
             })),
-            Self::Postgres(pool) => {
-                sqlx::query_scalar("SELECT count(*) FROM example_webhook_events")
-                    .fetch_one(pool)
-                    .await
-            }
+            Self::Postgres(pool) => count_rows(pool, "example_webhook_events").await,
         }
     }
 }
@@ -1264,6 +1285,7 @@ impl Writer {
                 )
                 .bind(tenant)
                 .bind(amount_cents)
+                .persistent(false)
                 .fetch_one(&mut *tx.conn().await?)
                 .await?
             }
@@ -1308,6 +1330,7 @@ impl Writer {
                 .bind(order_id)
                 .bind(amount_cents)
                 .bind(charge_id)
+                .persistent(false)
                 .fetch_one(&mut *tx.conn().await?)
                 .await?
             }
@@ -1345,11 +1368,12 @@ impl Writer {
                 .bind(tenant)
                 .bind(order_id)
                 .bind(address)
+                .persistent(false)
                 .execute(&mut *conn)
                 .await?;
                 // Through the transaction: it sees the new address, and it takes no second
                 // connection from the pool.
-                Ok(select_order(&mut *conn, tenant, order_id).await?)
+                Ok(select_order(&mut conn, tenant, order_id).await?)
             }
         }
     }
@@ -1375,6 +1399,7 @@ impl Writer {
                 )
                 .bind(event_id)
                 .bind(payload)
+                .persistent(false)
                 .execute(&mut *tx.conn().await?)
                 .await?;
             }

@@ -8,6 +8,13 @@
 # the tests against it and stops it. It never skips the Postgres tests: if it cannot get a
 # server, it stops and says what to do.
 #
+# At the end, the Postgres behaviour suite, the payments example's end-to-end tests and
+# tests/pooler.rs run once more through a PgBouncer in transaction pooling mode, which this
+# script starts on a free loopback port in front of that server (installing PgBouncer first
+# when run as root on Debian/Ubuntu). With TI_PGBOUNCER_URL set, they use that pooler instead:
+# transaction mode, in front of DATABASE_URL's server, letting any of its roles log in without
+# a password, and ignoring the startup parameter extra_float_digits.
+#
 # The consumer test uses RabbitMQ at AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f).
 # When nothing listens there, the script starts the installed rabbitmq-server (installing it
 # first when run as root on Debian/Ubuntu), or stops and says what to do.
@@ -21,6 +28,17 @@ die() {
     echo "scripts/test.sh: $*" >&2
     exit 1
 }
+
+# Commands to run when the script exits, the last registered first (the throwaway cluster,
+# the PgBouncer): one EXIT trap runs them all.
+on_exit=()
+run_on_exit() {
+    local i
+    for ((i = ${#on_exit[@]} - 1; i >= 0; i--)); do
+        eval "${on_exit[i]}" || true
+    done
+}
+trap run_on_exit EXIT
 
 # Is a server answering at host:port? (bash's /dev/tcp; no client tools needed)
 port_open() {
@@ -84,8 +102,7 @@ start_throwaway_cluster() {
     "${run_as[@]}" "$bin/pg_ctl" -D "$data/db" -l "$data/log" -w \
         -o "-p $port -k $data -c listen_addresses=127.0.0.1 -c max_connections=300 -c fsync=off" start >/dev/null
     # Stop it when the script exits (the command is expanded now: the locals are gone then).
-    # shellcheck disable=SC2064
-    trap "$(printf '%q ' "${run_as[@]}" "$bin/pg_ctl" -D "$data/db" -m fast stop) >/dev/null 2>&1 || true" EXIT
+    on_exit+=("$(printf '%q ' "${run_as[@]}" "$bin/pg_ctl" -D "$data/db" -m fast stop) >/dev/null 2>&1")
     url="postgres://postgres@127.0.0.1:$port/postgres"
 }
 
@@ -151,3 +168,109 @@ for level in "repeatable read" "serializable"; do
         --test cancellation --test round_trips --test payments_e2e --test scope \
         --test connection_loss --test stalls
 done
+
+# The behaviour suite, the example's end-to-end tests and the pooler's own tests once more,
+# through a PgBouncer in transaction pooling mode: many deployments put one between the
+# services and Postgres, and there a client's statements reach whichever server connection
+# is free, so nothing may rely on a server session (prepared statements, session settings,
+# session advisory locks) outside a transaction.
+find_pgbouncer() {
+    local p
+    for p in "$(command -v pgbouncer 2>/dev/null)" /usr/sbin/pgbouncer /usr/local/bin/pgbouncer /opt/homebrew/bin/pgbouncer; do
+        if [[ -n "$p" && -x "$p" ]]; then
+            echo "$p"
+            return 0
+        fi
+    done
+    return 1
+}
+
+start_pgbouncer() {
+    local bin pg_host pg_port user rest db dir port run_as=()
+    if ! bin="$(find_pgbouncer)"; then
+        if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+            echo "scripts/test.sh: PgBouncer is not installed; installing it with apt-get" >&2
+            apt-get update -qq
+            # The package's own service stays off (policy or no init system); this script
+            # starts PgBouncer with a configuration of its own.
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null
+            bin="$(find_pgbouncer)" || die "PgBouncer was installed but pgbouncer was not found"
+        else
+            die "PgBouncer is not installed; the last test run goes through it.
+Install it (Debian/Ubuntu: sudo apt-get install pgbouncer; macOS: brew install pgbouncer)
+and run ./scripts/test.sh again, or set TI_PGBOUNCER_URL to a PgBouncer you run in
+transaction pooling mode in front of DATABASE_URL's server."
+        fi
+    fi
+    read -r pg_host pg_port < <(host_port "$DATABASE_URL")
+    # postgres://user[:password]@host:port/db?params -> user and db
+    rest="${DATABASE_URL#*://}"
+    user="postgres"
+    if [[ "$rest" == *@* ]]; then
+        user="${rest%%@*}"
+        user="${user%%:*}"
+    fi
+    db="postgres"
+    rest="${rest%%\?*}"
+    [[ "$rest" == */* && -n "${rest#*/}" ]] && db="${rest#*/}"
+    port=6432
+    while port_open 127.0.0.1 "$port"; do
+        port=$((port + 1))
+        ((port < 6532)) || die "no free port for PgBouncer in 6432-6531"
+    done
+    dir="$(mktemp -d "${TMPDIR:-/tmp}/tower-idempotency-pgbouncer.XXXXXX")"
+    # Clients log in without a password (trust). Roles the file does not list (the tests'
+    # per-test roles) are looked up in the server with auth_query, as auth_user.
+    printf '"%s" ""\n' "$user" >"$dir/users.txt"
+    cat >"$dir/pgbouncer.ini" <<INI
+[databases]
+* = host=$pg_host port=$pg_port
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $port
+unix_socket_dir =
+pool_mode = transaction
+auth_type = trust
+auth_file = $dir/users.txt
+auth_user = $user
+auth_query = SELECT usename, passwd FROM pg_shadow WHERE usename = \$1
+; Fewer server connections per database and user than a test has clients (a store's pool
+; has 16, a test often runs two stores, tests/pooler.rs many more): clients really share them.
+default_pool_size = 20
+reserve_pool_size = 0
+max_client_conn = 2000
+; Idle server connections go soon: every test has a role of its own, so a pool of its own.
+server_idle_timeout = 10
+; sqlx sends extra_float_digits at startup, and PgBouncer refuses parameters it does not know.
+; (Not options: PgBouncer 1.18 would drop it silently; the tests do not send it.)
+ignore_startup_parameters = extra_float_digits
+logfile = $dir/pgbouncer.log
+pidfile = $dir/pgbouncer.pid
+INI
+    if [[ $EUID -eq 0 ]]; then
+        # PgBouncer refuses to run as root: run it as the postgres system user.
+        id postgres >/dev/null 2>&1 || die "running as root, but there is no 'postgres' user to run PgBouncer as"
+        chown -R postgres "$dir"
+        run_as=(runuser -u postgres --)
+    fi
+    echo "scripts/test.sh: starting PgBouncer ($bin, transaction pooling) on 127.0.0.1:$port" >&2
+    "${run_as[@]}" "$bin" -d "$dir/pgbouncer.ini" >/dev/null ||
+        die "PgBouncer did not start (see $dir/pgbouncer.log)"
+    # Stop it when the script exits (expanded now: the locals are gone then).
+    on_exit+=("$(printf 'kill -TERM "$(cat %q 2>/dev/null)" 2>/dev/null; sleep 0.2; rm -rf %q' "$dir/pgbouncer.pid" "$dir")")
+    for _ in $(seq 1 100); do
+        port_open 127.0.0.1 "$port" && break
+        sleep 0.1
+    done
+    port_open 127.0.0.1 "$port" || die "PgBouncer does not answer on 127.0.0.1:$port (see $dir/pgbouncer.log)"
+    TI_PGBOUNCER_URL="postgres://$user@127.0.0.1:$port/$db"
+}
+
+if [[ -z "${TI_PGBOUNCER_URL:-}" ]]; then
+    start_pgbouncer
+fi
+export TI_PGBOUNCER_URL
+echo "scripts/test.sh: the behaviour suite, the example's end-to-end tests and tests/pooler.rs through PgBouncer at $TI_PGBOUNCER_URL" >&2
+cargo test --all-features --test behaviour --test payments_e2e
+cargo test --all-features --test pooler -- --include-ignored

@@ -104,7 +104,7 @@ async fn lost_acknowledgements_never_apply_a_charge_twice() {
     // Each lost acknowledgement came back once, as did the producer's retry.
     assert_eq!(count("duplicate "), 6, "{stdout}");
 
-    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let pool = sqlx::PgPool::connect(&db.direct_url).await.unwrap();
     let (rows, total, distinct): (i64, i64, i64) = sqlx::query_as(
         "SELECT count(*), sum(amount_cents)::bigint, count(DISTINCT message_id)
            FROM example_ledger",

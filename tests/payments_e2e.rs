@@ -1145,7 +1145,12 @@ where
         .unwrap_or_else(|e| panic!("CREATE DATABASE {name} at {admin_url}: {e}"));
 
     // Run the scenario as a task, so that the database is dropped even when it panics.
-    let url = support::with_isolation(with_database(&admin_url, &name));
+    // (In pooler mode, `TI_PGBOUNCER_URL`, the example reaches it through the pooler.)
+    let url = if support::pooler_url().is_some() {
+        support::program_database_url(&admin, &name).await
+    } else {
+        support::with_isolation(with_database(&admin_url, &name))
+    };
     let outcome = tokio::spawn(scenario(url)).await;
 
     let dropped = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
@@ -1162,8 +1167,10 @@ where
     dropped.unwrap_or_else(|e| panic!("DROP DATABASE {name}: {e}"));
 }
 
-/// A pool to look into the example's database from the test.
+/// A pool to look into the example's database from the test (straight to the server, also in
+/// pooler mode).
 async fn inspect(url: &str) -> PgPool {
+    let url = &support::direct_database_url(url);
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(Duration::from_secs(10))

@@ -19,51 +19,143 @@ pub mod cluster;
 pub mod faults;
 pub mod proxy;
 
-/// The server the Postgres tests use: `DATABASE_URL`, or the local service.
+/// The server the Postgres tests use: `DATABASE_URL`, or the local service. Admin work
+/// (creating and dropping schemas, roles and databases) and the tests' own inspections always
+/// go straight to it, also in pooler mode.
 pub fn database_url() -> String {
     std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// Pooler mode: `TI_PGBOUNCER_URL`, a PgBouncer in transaction pooling mode in front of the
+/// server of [`database_url`] (`scripts/test.sh` starts one and runs the Postgres behaviour
+/// suite and the example's end-to-end tests through it). When set, the pools of
+/// [`PgSchema::pool`] and [`PgSchema::store`] and the URL of [`PgDatabase`] go through it.
+///
+/// PgBouncer 1.18 does not forward the `options` startup parameter, so in this mode a
+/// schema's `search_path` and the default isolation level of [`isolation`] are not set per
+/// connection: each [`PgSchema`] gets a login role of its own with both set on the role, and
+/// connects through the pooler as that role (PgBouncer keeps a pool per database and user);
+/// a [`PgDatabase`] gets the isolation level set on the database.
+pub fn pooler_url() -> Option<String> {
+    std::env::var("TI_PGBOUNCER_URL")
+        .ok()
+        .filter(|url| !url.is_empty())
+}
+
+/// `url` with its database name replaced by `name` (the query string, if any, kept).
+pub fn with_database_name(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map_or(0, |i| i + 3);
+    let head = match base[scheme_end..].find('/') {
+        Some(slash) => &base[..scheme_end + slash],
+        None => base,
+    };
+    match query {
+        Some(query) => format!("{head}/{name}?{query}"),
+        None => format!("{head}/{name}"),
+    }
+}
+
+/// Connects to the server of [`database_url`] directly, for admin work.
+async fn connect_admin(url: &str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot connect to PostgreSQL at {url}: {e}\n\
+                 The Postgres tests need a server. Run ./scripts/test.sh (it starts or \
+                 installs a local PostgreSQL), or set DATABASE_URL to a server you own."
+            )
+        })
+}
+
+/// Runs one admin statement (simple query protocol).
+async fn admin_exec(admin: &PgPool, sql: String) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql.clone()))
+        .execute(admin)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
 
 /// A schema of its own for one test, dropped by [`PgSchema::drop_schema`].
 pub struct PgSchema {
     pub name: String,
     admin: PgPool,
+    /// Pooler mode: the login role the pools connect as (its `search_path` is this schema).
+    role: Option<String>,
 }
 
 impl PgSchema {
-    /// Creates a fresh schema. Fails the test, saying what to do, when Postgres is not there.
+    /// Creates a fresh schema (and, in pooler mode, its role). Fails the test, saying what to
+    /// do, when Postgres is not there.
     pub async fn new() -> PgSchema {
-        let url = database_url();
-        let admin = PgPoolOptions::new()
-            .max_connections(2)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(&url)
-            .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot connect to PostgreSQL at {url}: {e}\n\
-                     The Postgres tests need a server. Run ./scripts/test.sh (it starts or \
-                     installs a local PostgreSQL), or set DATABASE_URL to a server you own."
-                )
-            });
+        let admin = connect_admin(&database_url()).await;
         let name = format!("ti_{}", unique());
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {name}")))
-            .execute(&admin)
-            .await
-            .unwrap();
-        PgSchema { name, admin }
+        admin_exec(&admin, format!("CREATE SCHEMA {name}")).await;
+        let role = if pooler_url().is_some() {
+            // Same name as the schema: roles and schemas are separate namespaces.
+            admin_exec(&admin, format!("CREATE ROLE {name} LOGIN SUPERUSER")).await;
+            admin_exec(
+                &admin,
+                format!("ALTER ROLE {name} SET search_path = {name}"),
+            )
+            .await;
+            if let Some(level) = isolation() {
+                admin_exec(
+                    &admin,
+                    format!("ALTER ROLE {name} SET default_transaction_isolation = '{level}'"),
+                )
+                .await;
+            }
+            Some(name.clone())
+        } else {
+            None
+        };
+        PgSchema { name, admin, role }
     }
 
     /// A pool whose connections work in this schema, at the default isolation level that
-    /// [`isolation`] names.
+    /// [`isolation`] names; through the pooler in pooler mode.
     pub async fn pool(&self, max_connections: u32) -> PgPool {
-        let mut opts = PgConnectOptions::from_str(&database_url())
+        PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(self.connect_options())
+            .await
+            .unwrap()
+    }
+
+    /// The options [`pool`](Self::pool) connects with.
+    pub fn connect_options(&self) -> PgConnectOptions {
+        match (&self.role, pooler_url()) {
+            (Some(role), Some(pooler)) => {
+                PgConnectOptions::from_str(&pooler).unwrap().username(role)
+            }
+            _ => {
+                let mut opts = PgConnectOptions::from_str(&database_url())
+                    .unwrap()
+                    .options([("search_path", self.name.as_str())]);
+                if let Some(level) = isolation() {
+                    opts = opts.options([("default_transaction_isolation", level)]);
+                }
+                opts
+            }
+        }
+    }
+
+    /// A pool straight to the server (never through the pooler), in this schema, for a test's
+    /// own inspections.
+    pub async fn direct_pool(&self, max_connections: u32) -> PgPool {
+        let opts = PgConnectOptions::from_str(&database_url())
             .unwrap()
             .options([("search_path", self.name.as_str())]);
-        if let Some(level) = isolation() {
-            opts = opts.options([("default_transaction_isolation", level)]);
-        }
         PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(30))
@@ -79,13 +171,62 @@ impl PgSchema {
         store
     }
 
-    pub async fn drop_schema(self) {
-        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "DROP SCHEMA {} CASCADE",
-            self.name
-        )))
-        .execute(&self.admin)
-        .await;
+    pub async fn drop_schema(mut self) {
+        match self.role.take() {
+            None => {
+                let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "DROP SCHEMA {} CASCADE",
+                    self.name
+                )))
+                .execute(&self.admin)
+                .await;
+            }
+            Some(role) => {
+                let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop_role_and_schema(&role, &self.name)))
+                    .execute(&self.admin)
+                    .await;
+            }
+        }
+    }
+}
+
+/// Drops a pooler-mode schema and its role. The pooler may keep server connections of the
+/// role open: they are ended first (PgBouncer drops a server connection it finds closed), so
+/// that nothing holds a lock on the schema, the role can go, and the server's connection
+/// slots come back.
+fn drop_role_and_schema(role: &str, schema: &str) -> String {
+    format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}';
+         DROP SCHEMA IF EXISTS {schema} CASCADE;
+         DROP ROLE IF EXISTS {role}"
+    )
+}
+
+impl Drop for PgSchema {
+    /// A test that failed before [`PgSchema::drop_schema`] leaves its schema behind (in both
+    /// modes), but not, in pooler mode, its role: a superuser without a password.
+    fn drop(&mut self) {
+        let Some(role) = self.role.take() else {
+            return;
+        };
+        let sql = drop_role_and_schema(&role, &self.name);
+        // Another thread with a runtime of its own: this one may be inside a runtime.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let Ok(admin) = sqlx::PgPool::connect(&database_url()).await else {
+                    return;
+                };
+                let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                    .execute(&admin)
+                    .await;
+                admin.close().await;
+            });
+        })
+        .join();
     }
 }
 
@@ -333,24 +474,26 @@ where
 /// A database of its own, for tests that run a program with a `DATABASE_URL`.
 pub struct PgDatabase {
     pub name: String,
+    /// The URL the program gets: through the pooler in pooler mode.
     pub url: String,
+    /// Straight to the server, for the test's own inspections.
+    pub direct_url: String,
     admin: PgPool,
 }
 
 impl PgDatabase {
     pub async fn new() -> PgDatabase {
-        let schema_for_connect_check = PgSchema::new().await;
-        let admin = schema_for_connect_check.admin.clone();
-        schema_for_connect_check.drop_schema().await;
+        let admin = connect_admin(&database_url()).await;
         let name = format!("tidb_{}", unique());
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .execute(&admin)
-            .await
-            .unwrap();
-        let base = database_url();
-        let (head, _) = base.rsplit_once('/').unwrap();
-        let url = with_isolation(format!("{head}/{name}"));
-        PgDatabase { name, url, admin }
+        admin_exec(&admin, format!("CREATE DATABASE {name}")).await;
+        let direct_url = with_database_name(&database_url(), &name);
+        let url = program_database_url(&admin, &name).await;
+        PgDatabase {
+            name,
+            url,
+            direct_url,
+            admin,
+        }
     }
 
     pub async fn drop_database(self) {
@@ -361,6 +504,39 @@ impl PgDatabase {
         .execute(&self.admin)
         .await;
     }
+}
+
+/// The `DATABASE_URL` to give a program under test for the fresh database `name` (on the
+/// server of [`database_url`], where `admin` is connected), at the isolation level of
+/// [`isolation`]: straight to the server with the level in the connection options, or in
+/// pooler mode through the pooler, with the level set on the database (the pooler does not
+/// forward connection options).
+pub async fn program_database_url(admin: &PgPool, name: &str) -> String {
+    match pooler_url() {
+        Some(pooler) => {
+            if let Some(level) = isolation() {
+                admin_exec(
+                    admin,
+                    format!("ALTER DATABASE {name} SET default_transaction_isolation = '{level}'"),
+                )
+                .await;
+            }
+            with_database_name(&pooler, name)
+        }
+        None => with_isolation(with_database_name(&database_url(), name)),
+    }
+}
+
+/// `url` (a URL of [`program_database_url`]) straight to the server: for a test's own
+/// inspections, which use sqlx's cached prepared statements and so must not go through a
+/// transaction-mode pooler.
+pub fn direct_database_url(url: &str) -> String {
+    if pooler_url().is_none() {
+        return url.to_owned();
+    }
+    let base = url.split_once('?').map_or(url, |(base, _)| base);
+    let name = base.rsplit_once('/').map_or("", |(_, name)| name);
+    with_database_name(&database_url(), name)
 }
 
 /// The path of an example's binary, `target/<profile>/examples/<name>`, built once per test
