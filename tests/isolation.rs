@@ -578,3 +578,41 @@ async fn plain_mode_racing_first_requests_get_409_never_503_at_every_level() {
         done(schema, setup).await;
     }
 }
+
+/// Plain mode, 64 distinct new keys at once, three rounds, at each default isolation level:
+/// every request is a first request and must run (`201`) — never a `409` (a claim that lost
+/// serialization conflicts to *other* keys' claims is not "in flight") and never a `503`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_mode_distinct_keys_at_once_all_run_at_every_level() {
+    use support::{Calls, handler};
+    for level in LEVELS {
+        let (schema, setup) = migrated().await;
+        let pool = pool_with(&schema.name, level, &[], 16).await;
+        let calls = Calls::default();
+        let svc =
+            IdempotencyLayer::new(PostgresStore::new(pool.clone())).layer(handler(calls.clone()));
+        for round in 0..3 {
+            let tasks: Vec<_> = (0..64)
+                .map(|i| {
+                    let svc = svc.clone();
+                    tokio::spawn(async move {
+                        let key = format!("r{round}-k{i}");
+                        read(
+                            svc.oneshot(req("POST", "/pay", Some(&key), "b"))
+                                .await
+                                .unwrap(),
+                        )
+                        .await
+                    })
+                })
+                .collect();
+            for task in tasks {
+                let answer = task.await.unwrap();
+                assert_eq!(answer.status, 201, "{level}: {}", answer.text());
+            }
+        }
+        assert_eq!(calls.get("/pay"), 192, "{level}");
+        pool.close().await;
+        done(schema, setup).await;
+    }
+}

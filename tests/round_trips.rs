@@ -469,7 +469,10 @@ async fn plain_mode_counts(strategy: ClaimStrategy, expected: Expected) {
     // Every message carries the store's bounds.
     for q in proxy.queries().iter().rev().take(expected.first) {
         assert!(
-            q.starts_with("SET LOCAL statement_timeout = 5000; SET LOCAL lock_timeout = 1000; "),
+            q.starts_with(
+                "SET LOCAL transaction_isolation = 'read committed'; \
+                 SET LOCAL statement_timeout = 5000; SELECT "
+            ),
             "{q}"
         );
     }

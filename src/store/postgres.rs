@@ -39,6 +39,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "transactional claim at every isolation level",
         include_str!("../../migrations/0005_transactional_claim_v2.sql"),
     ),
+    (
+        6,
+        "plain mode's statements as functions",
+        include_str!("../../migrations/0006_plain_functions.sql"),
+    ),
 ];
 
 /// The advisory lock taken while migrating, so that app instances starting together apply
@@ -176,8 +181,15 @@ impl PostgresStore {
     /// bounds: one message, sent over the simple query protocol (see [`super::sql`]).
     fn statement(&self, template: &str, args: &[Lit<'_>]) -> Result<String, StoreError> {
         let hint: usize = args.iter().map(Lit::len_hint).sum();
-        let mut sql = String::with_capacity(64 + template.len() + hint);
-        push_bounds(&mut sql, self.statement_timeout, self.lock_timeout);
+        let mut sql = String::with_capacity(128 + template.len() + hint);
+        // Each statement is atomic on its own (a unique index or a row lock decides every
+        // race), so it needs no snapshot older than itself: at READ COMMITTED, whatever the
+        // session's default, it never fails a serialization check against another key's
+        // claim (under SERIALIZABLE, claims of distinct keys that share an index page would).
+        sql.push_str("SET LOCAL transaction_isolation = 'read committed'; ");
+        // The functions bound their own lock waits (their `p_lock_ms`); the purge, a plain
+        // statement, waits for no lock (`SKIP LOCKED`).
+        push_bounds(&mut sql, self.statement_timeout, Duration::ZERO);
         append(&mut sql, template, args)?;
         Ok(sql)
     }
@@ -239,14 +251,22 @@ impl PostgresStore {
     }
 
     async fn read(&self, req: &ClaimRequest<'_>) -> Result<Option<PgRow>, StoreError> {
-        Ok(self.rows(READ, &claim_args(req)).await?.into_iter().next())
+        Ok(self
+            .rows(READ, &claim_args(req, self.lock_timeout))
+            .await?
+            .into_iter()
+            .next())
     }
 
     /// The token of a fresh claim, or `None` when the key exists.
     async fn insert(&self, req: &ClaimRequest<'_>) -> Result<Option<i64>, StoreError> {
-        match self.rows(INSERT, &claim_args(req)).await?.first() {
-            Some(row) => Ok(Some(row.try_get("inserted")?)),
-            None => Ok(None),
+        match self
+            .rows(INSERT, &claim_args(req, self.lock_timeout))
+            .await?
+            .first()
+        {
+            Some(row) => Ok(row.try_get("inserted")?),
+            None => Err(StoreError::Corrupt("the insert returned no row".into())),
         }
     }
 
@@ -262,9 +282,16 @@ impl PostgresStore {
     ) -> Result<u64, StoreError> {
         let mut attempts = 1;
         loop {
-            match self.execute(template, args).await {
+            match self.rows(template, args).await {
+                Ok(rows) => {
+                    let changed = match rows.first() {
+                        Some(row) => row.try_get::<i64, _>("changed")?,
+                        None => 0,
+                    };
+                    return Ok(changed.unsigned_abs());
+                }
                 Err(e) if lost_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
-                other => return other,
+                Err(e) => return Err(e),
             }
         }
     }
@@ -273,7 +300,9 @@ impl PostgresStore {
     async fn look_and_insert(&self, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
         Ok(match self.strategy {
             ClaimStrategy::Combined => {
-                let rows = self.rows(CLAIM, &claim_args(req)).await?;
+                let rows = self
+                    .rows(CLAIM, &claim_args(req, self.lock_timeout))
+                    .await?;
                 let row = rows
                     .first()
                     .ok_or_else(|| StoreError::Corrupt("the claim returned no row".into()))?;
@@ -378,7 +407,7 @@ pub(crate) async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
 
 /// The arguments of the claim's statements: `$1` scope, `$2` key, `$3` fingerprint, `$4`
 /// lease (ms), `$5` time to live (ms).
-fn claim_args<'a>(req: &'a ClaimRequest<'a>) -> [Lit<'a>; 5] {
+fn claim_args<'a>(req: &'a ClaimRequest<'a>, lock_timeout: Duration) -> [Lit<'a>; 6] {
     [
         Lit::Text(req.scope),
         Lit::Text(req.key.as_str()),
@@ -386,6 +415,7 @@ fn claim_args<'a>(req: &'a ClaimRequest<'a>) -> [Lit<'a>; 5] {
         Lit::Int(millis(req.lease)),
         // An in-progress record lives at least as long as its lease.
         Lit::Int(millis(req.ttl.max(req.lease))),
+        Lit::Int(millis(lock_timeout)),
     ]
 }
 
@@ -452,94 +482,48 @@ pub(crate) fn db_error(err: sqlx::Error) -> StoreError {
     StoreError::from(err)
 }
 
-/// The record's state, as every claim path reads it: the columns of [`READ`] and [`CLAIM`].
-macro_rules! record_columns {
-    () => {
-        "fingerprint, lease_token, expires_at <= now() AS expired,
-               (expires_at <= now()
-                OR (lease_token IS NOT NULL AND lease_expires_at <= now() AND fingerprint = $3))
-                   AS claimable,
-               (extract(epoch FROM lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
-               response_status, response_headers, response_body"
-    };
-}
-
-/// The claim, in one statement: a plain read of the record that inserts it when it is
-/// absent. The insert is the function `tower_idempotency_insert_key` (migration 4: the
-/// statement [`INSERT`], in PL/pgSQL, which keeps its plan for the session), called by the
-/// `CASE` only when the join found no record. For a replay, an in-flight key or a mismatch
-/// the statement is the read alone, joined to one constant row so that an absent key still
-/// gives a row: it costs the database about what [`READ`] does. (An `INSERT` written into
-/// the statement, as a data-modifying CTE, is set up by the executor on every execution even
-/// when it inserts nothing: a replay through such a statement took about 1.6 times the plain
-/// read's backend CPU in pgbench.)
+/// The claim, in one statement: the function `tower_idempotency_plain_claim` (migration 6)
+/// reads the record and, only when the key is absent, inserts it
+/// (`tower_idempotency_insert_key`, migration 4). For a replay, an in-flight key or a
+/// mismatch it costs the database the read alone: the read is a join of one constant row to
+/// the record, so that an absent key still gives a row, and the insert is called by a `CASE`
+/// only for that row. (An `INSERT` written into the statement, as a data-modifying CTE, is set
+/// up by the executor on every execution even when it inserts nothing: a replay through such a
+/// statement took about 1.6 times the plain read's backend CPU in pgbench.)
 ///
-/// Under READ COMMITTED the function's insert takes a fresh snapshot. When a concurrent
-/// request inserted the key after this statement's snapshot, the insert conflicts: the
-/// statement returns neither an inserted token nor a record, and the caller runs it again
-/// with a fresh snapshot. A record that is expired, or whose lease ran out, comes back
-/// `claimable` and is taken over by [`TAKEOVER`], a second statement that only this rare path
-/// pays for.
-const CLAIM: &str = concat!(
-    "SELECT CASE WHEN scope IS NULL
-                 THEN tower_idempotency_insert_key($1, $2, $3, $4, $5) END AS inserted,
-               ",
-    record_columns!(),
-    "
-          FROM (SELECT) AS one
-          LEFT JOIN tower_idempotency_keys ON scope = $1 AND key = $2"
-);
+/// Under READ COMMITTED the insert takes a fresh snapshot. When a concurrent request inserted
+/// the key after the read's snapshot, the insert conflicts: the function returns neither an
+/// inserted token nor a record, and the caller runs it again with a fresh snapshot. A record
+/// that is expired, or whose lease ran out, comes back `claimable` and is taken over by
+/// [`TAKEOVER`], a second statement that only this rare path pays for.
+///
+/// Arguments of every claim statement: `$1` scope, `$2` key, `$3` fingerprint, `$4` lease
+/// (ms), `$5` time to live (ms), `$6` lock timeout (ms).
+const CLAIM: &str = "SELECT * FROM tower_idempotency_plain_claim($1, $2, $3, $4, $5, $6)";
 
 /// The read alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`].
-const READ: &str = concat!(
-    "SELECT ",
-    record_columns!(),
-    "
-          FROM tower_idempotency_keys
-         WHERE scope = $1 AND key = $2"
-);
+const READ: &str = "SELECT * FROM tower_idempotency_plain_read($1, $2, $3, $6)";
 
-/// The insert alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`].
-const INSERT: &str = "
-INSERT INTO tower_idempotency_keys AS k
-       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
-VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'),
-        now() + $4::float8 * interval '1 millisecond',
-        now() + $5::float8 * interval '1 millisecond')
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING k.lease_token AS inserted";
+/// The insert alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`]:
+/// the new record's token, or `NULL` when the key exists.
+const INSERT: &str = "SELECT tower_idempotency_plain_insert($1, $2, $3, $4, $5, $6) AS inserted";
 
 /// Takes over a record that is expired or whose lease ran out. The condition is checked
 /// again on the row's latest version, so of two requests taking over at once, one wins; the
-/// other gets no row and claims again.
-const TAKEOVER: &str = "
-UPDATE tower_idempotency_keys AS k
-   SET fingerprint = $3,
-       lease_token = nextval('tower_idempotency_lease_token_seq'),
-       lease_expires_at = now() + $4::float8 * interval '1 millisecond',
-       expires_at = now() + $5::float8 * interval '1 millisecond',
-       created_at = now(), completed_at = NULL,
-       response_status = NULL, response_headers = NULL, response_body = NULL
- WHERE k.scope = $1 AND k.key = $2
-   AND (k.expires_at <= now()
-        OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= now() AND k.fingerprint = $3))
-RETURNING k.lease_token";
+/// other gets `NULL` and claims again.
+const TAKEOVER: &str =
+    "SELECT tower_idempotency_plain_takeover($1, $2, $3, $4, $5, $6) AS lease_token";
 
-const COMPLETE: &str = "
-UPDATE tower_idempotency_keys
-   SET lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
-       expires_at = now() + $4::float8 * interval '1 millisecond',
-       response_status = $5, response_headers = $6, response_body = $7
- WHERE scope = $1 AND key = $2 AND lease_token = $3";
+/// Stores the answer while `$3` (the token) holds the record: `$4` time to live (ms), `$5`
+/// status, `$6` headers, `$7` body, `$8` lock timeout (ms). Returns the rows changed.
+const COMPLETE: &str = "SELECT tower_idempotency_plain_complete(\
+     $1, $2, $3, $4, $5::smallint, $6, $7, $8) AS changed";
 
-const RELEASE: &str =
-    "DELETE FROM tower_idempotency_keys WHERE scope = $1 AND key = $2 AND lease_token = $3";
+/// Deletes the record while `$3` (the token) holds it; `$4` lock timeout (ms).
+const RELEASE: &str = "SELECT tower_idempotency_plain_release($1, $2, $3, $4) AS changed";
 
-const RENEW: &str = "
-UPDATE tower_idempotency_keys
-   SET lease_expires_at = now() + $4::float8 * interval '1 millisecond',
-       expires_at = greatest(expires_at, now() + $4::float8 * interval '1 millisecond')
- WHERE scope = $1 AND key = $2 AND lease_token = $3";
+/// Extends the lease `$3` (the token) holds by `$4` ms; `$5` lock timeout (ms).
+const RENEW: &str = "SELECT tower_idempotency_plain_renew($1, $2, $3, $4, $5) AS changed";
 
 const PURGE: &str = "
 DELETE FROM tower_idempotency_keys
@@ -644,10 +628,17 @@ impl Store for PostgresStore {
                 Decision::Done(outcome) => return Ok(outcome),
                 Decision::Retry => {}
                 Decision::TakeOver { abandoned } => {
-                    match self.rows(TAKEOVER, &claim_args(&req)).await {
+                    match self
+                        .rows(TAKEOVER, &claim_args(&req, self.lock_timeout))
+                        .await
+                    {
                         Ok(rows) => {
-                            if let Some(row) = rows.first() {
-                                return Ok(acquired(row.try_get("lease_token")?, abandoned));
+                            let token = match rows.first() {
+                                Some(row) => row.try_get::<Option<i64>, _>("lease_token")?,
+                                None => None,
+                            };
+                            if let Some(token) = token {
+                                return Ok(acquired(token, abandoned));
                             }
                         }
                         Err(e) if lost_race(&e) => {}
@@ -679,6 +670,7 @@ impl Store for PostgresStore {
             Lit::Int(i64::from(status)),
             Lit::Bytes(&headers),
             Lit::MaybeBytes(response.body().map(|b| &b[..])),
+            Lit::Int(millis(self.lock_timeout)),
         ];
         let done = self.execute_token_statement(COMPLETE, &args).await?;
         Ok(done == 1)
@@ -694,6 +686,7 @@ impl Store for PostgresStore {
             Lit::Text(scope),
             Lit::Text(key.as_str()),
             Lit::Int(token.into_raw()),
+            Lit::Int(millis(self.lock_timeout)),
         ];
         let done = self.execute_token_statement(RELEASE, &args).await?;
         Ok(done == 1)
@@ -711,6 +704,7 @@ impl Store for PostgresStore {
             Lit::Text(key.as_str()),
             Lit::Int(token.into_raw()),
             Lit::Int(millis(lease)),
+            Lit::Int(millis(self.lock_timeout)),
         ];
         let done = self.execute_token_statement(RENEW, &args).await?;
         Ok(done == 1)
