@@ -109,7 +109,13 @@ const SCENARIOS: &[Scenario] = &[
         baseline: "fingerprint + the store's INSERT … ON CONFLICT DO NOTHING RETURNING, then its \
                    COMPLETE UPDATE (by hand)",
         target: 0.95,
-        build: |ctx| Box::pin(build_pg_plain_new(ctx, ClaimStrategy::Combined, HAND_CLAIM)),
+        build: |ctx| {
+            Box::pin(build_pg_plain_new(
+                ctx,
+                (ClaimStrategy::Combined, false),
+                HAND_CLAIM,
+            ))
+        },
     },
     Scenario {
         name: "pg-plain-new-same-sql",
@@ -121,8 +127,21 @@ const SCENARIOS: &[Scenario] = &[
         build: |ctx| {
             Box::pin(build_pg_plain_new(
                 ctx,
-                ClaimStrategy::Combined,
+                (ClaimStrategy::Combined, false),
                 HAND_COMBINED_CLAIM,
+            ))
+        },
+    },
+    Scenario {
+        name: "pg-plain-new-prepared",
+        layer_side: "as pg-plain-new, with_prepared_statements(true) (direct connections only)",
+        baseline: "as pg-plain-new",
+        target: 0.95,
+        build: |ctx| {
+            Box::pin(build_pg_plain_new(
+                ctx,
+                (ClaimStrategy::Combined, true),
+                HAND_CLAIM,
             ))
         },
     },
@@ -134,7 +153,7 @@ const SCENARIOS: &[Scenario] = &[
         build: |ctx| {
             Box::pin(build_pg_plain_new(
                 ctx,
-                ClaimStrategy::InsertFirst,
+                (ClaimStrategy::InsertFirst, false),
                 HAND_CLAIM,
             ))
         },
@@ -147,7 +166,7 @@ const SCENARIOS: &[Scenario] = &[
         build: |ctx| {
             Box::pin(build_pg_plain_new(
                 ctx,
-                ClaimStrategy::ReadFirst,
+                (ClaimStrategy::ReadFirst, false),
                 HAND_CLAIM,
             ))
         },
@@ -158,21 +177,28 @@ const SCENARIOS: &[Scenario] = &[
                      requested again",
         baseline: "fingerprint + the store's plain SELECT of the record (by hand)",
         target: 0.95,
-        build: |ctx| Box::pin(build_pg_replay(ctx, ClaimStrategy::Combined)),
+        build: |ctx| Box::pin(build_pg_replay(ctx, (ClaimStrategy::Combined, false))),
+    },
+    Scenario {
+        name: "pg-replay-prepared",
+        layer_side: "as pg-replay, with_prepared_statements(true) (direct connections only)",
+        baseline: "as pg-replay",
+        target: 0.95,
+        build: |ctx| Box::pin(build_pg_replay(ctx, (ClaimStrategy::Combined, true))),
     },
     Scenario {
         name: "pg-replay-read-first",
         layer_side: "PostgresStore (ClaimStrategy::ReadFirst), completed keys requested again",
         baseline: "as pg-replay",
         target: 0.95,
-        build: |ctx| Box::pin(build_pg_replay(ctx, ClaimStrategy::ReadFirst)),
+        build: |ctx| Box::pin(build_pg_replay(ctx, (ClaimStrategy::ReadFirst, false))),
     },
     Scenario {
         name: "pg-replay-insert-first",
         layer_side: "PostgresStore (ClaimStrategy::InsertFirst), completed keys requested again",
         baseline: "as pg-replay",
         target: 0.95,
-        build: |ctx| Box::pin(build_pg_replay(ctx, ClaimStrategy::InsertFirst)),
+        build: |ctx| Box::pin(build_pg_replay(ctx, (ClaimStrategy::InsertFirst, false))),
     },
     Scenario {
         name: "pg-tx",
@@ -354,8 +380,9 @@ VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'),
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING k.lease_token AS inserted";
 
-/// The claim of `ClaimStrategy::Combined`, by hand: the store's `CLAIM` statement, as it is
-/// (for the `pg-plain-new-same-sql` baseline, the SQL the default store sends).
+/// The claim of `ClaimStrategy::Combined`, by hand: the query that the store's claim function
+/// (`tower_idempotency_plain_claim`, migration 6) runs, as a prepared statement (for the
+/// `pg-plain-new-same-sql` baseline).
 const HAND_COMBINED_CLAIM: &str = "SELECT CASE WHEN scope IS NULL
                  THEN tower_idempotency_insert_key($1, $2, $3, $4, $5) END AS inserted,
                fingerprint, lease_token, expires_at <= now() AS expired,
@@ -367,7 +394,7 @@ const HAND_COMBINED_CLAIM: &str = "SELECT CASE WHEN scope IS NULL
           FROM (SELECT) AS one
           LEFT JOIN tower_idempotency_keys ON scope = $1 AND key = $2";
 
-/// The store's COMPLETE statement, as it is.
+/// The UPDATE that the store's completion function (`tower_idempotency_plain_complete`) runs.
 const HAND_COMPLETE: &str = "
 UPDATE tower_idempotency_keys
    SET lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
@@ -459,11 +486,13 @@ async fn pg_plain(hand: &PlainBaseline, parts: &Parts, body: &Bytes) -> Result<R
 
 async fn build_pg_plain_new(
     ctx: &Ctx,
-    strategy: ClaimStrategy,
+    (strategy, prepared): (ClaimStrategy, bool),
     claim: &'static str,
 ) -> Result<Built, BoxError> {
     let schema = PgSchema::new(ctx.args.pool).await?;
-    let store = PostgresStore::new(schema.pool.clone()).with_claim_strategy(strategy);
+    let store = PostgresStore::new(schema.pool.clone())
+        .with_claim_strategy(strategy)
+        .with_prepared_statements(prepared);
     store.migrate().await?;
     let baseline = Router::new()
         .route(PATH, post(pg_plain_baseline))
@@ -533,9 +562,14 @@ async fn pg_replay(pool: &PgPool, parts: &Parts, body: &Bytes) -> Result<Respons
     Ok(res)
 }
 
-async fn build_pg_replay(ctx: &Ctx, strategy: ClaimStrategy) -> Result<Built, BoxError> {
+async fn build_pg_replay(
+    ctx: &Ctx,
+    (strategy, prepared): (ClaimStrategy, bool),
+) -> Result<Built, BoxError> {
     let schema = PgSchema::new(ctx.args.pool).await?;
-    let store = PostgresStore::new(schema.pool.clone()).with_claim_strategy(strategy);
+    let store = PostgresStore::new(schema.pool.clone())
+        .with_claim_strategy(strategy)
+        .with_prepared_statements(prepared);
     store.migrate().await?;
     let baseline = Router::new()
         .route(PATH, post(pg_replay_baseline))

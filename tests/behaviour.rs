@@ -58,6 +58,20 @@ impl Postgres {
             strategy,
         }
     }
+
+    /// The default strategy with prepared statements, on a direct connection (never through
+    /// a pooler: see `PostgresStore::with_prepared_statements`). Its second instance uses the
+    /// default simple protocol: the two must keep every guarantee together.
+    async fn prepared() -> Self {
+        let schema = PgSchema::new().await;
+        let store = PostgresStore::new(schema.direct_pool(16).await).with_prepared_statements(true);
+        store.migrate().await.unwrap();
+        Postgres {
+            schema,
+            store,
+            strategy: ClaimStrategy::Combined,
+        }
+    }
 }
 
 impl Fixture for Postgres {
@@ -962,6 +976,17 @@ macro_rules! suite {
                 async fn $name() {
                     use super::Fixture;
                     let fx = super::Postgres::with(super::ClaimStrategy::ReadFirst).await;
+                    super::$name(&fx).await;
+                    fx.cleanup().await;
+                }
+            )*
+        }
+        mod postgres_prepared {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    use super::Fixture;
+                    let fx = super::Postgres::prepared().await;
                     super::$name(&fx).await;
                     fx.cleanup().await;
                 }

@@ -105,6 +105,7 @@ pub struct PostgresStore {
     purge_duty: f64,
     statement_timeout: Duration,
     lock_timeout: Duration,
+    prepared: bool,
 }
 
 /// The default `statement_timeout` of the store's statements.
@@ -153,7 +154,34 @@ impl PostgresStore {
             purge_duty: 1.0,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            prepared: false,
         }
+    }
+
+    /// Whether plain mode's statements are sent as prepared statements (default `false`).
+    ///
+    /// **Only on a direct connection to Postgres** (or PgBouncer 1.21 or later with
+    /// `max_prepared_statements` set). By default every statement goes over the simple query
+    /// protocol with its values written in, which a pooler in transaction mode carries
+    /// safely, and Postgres plans each one it receives. Prepared, the statements are planned
+    /// once per connection and their values sent in binary: a replay costs the database about
+    /// half as much (see BENCHMARKS.md). But sqlx names its prepared statements per client
+    /// connection (`sqlx_s_1`, …), and behind a pooler in transaction mode such a name meets
+    /// another client's statement on a shared server connection: the statement fails, or runs
+    /// the other client's statement with this one's values.
+    ///
+    /// Prepared, each statement is sent alone, so two of the store's bounds cannot travel
+    /// with it: its `statement_timeout` (the layer's
+    /// [`with_store_timeout`](crate::IdempotencyLayer::with_store_timeout) still bounds every
+    /// call; set `statement_timeout` on the role for a bound in the database too) and its
+    /// `READ COMMITTED` (the statements then run at the session's default isolation level;
+    /// under `SERIALIZABLE`, claims of distinct keys can fail each other's serialization
+    /// check, which the store retries a few times before answering "in flight"). Lock waits
+    /// stay bounded by [`with_lock_timeout`](Self::with_lock_timeout). Transactional mode and
+    /// the inbox always use the simple protocol.
+    pub fn with_prepared_statements(mut self, prepared: bool) -> Self {
+        self.prepared = prepared;
+        self
     }
 
     /// The `statement_timeout` of the store's own statements (default 5 s; zero leaves the
@@ -195,12 +223,29 @@ impl PostgresStore {
     }
 
     /// Runs `template` and returns the rows of its last statement.
-    async fn rows(&self, template: &str, args: &[Lit<'_>]) -> Result<Vec<PgRow>, StoreError> {
-        let sql = self.statement(template, args)?;
-        sqlx::raw_sql(AssertSqlSafe(sql))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| self.error(e))
+    async fn rows(
+        &self,
+        template: &'static str,
+        args: &[Lit<'_>],
+    ) -> Result<Vec<PgRow>, StoreError> {
+        let rows = if self.prepared {
+            let mut query = sqlx::query(template);
+            for arg in args {
+                query = match *arg {
+                    Lit::Text(text) => query.bind(text),
+                    Lit::Bytes(bytes) => query.bind(bytes),
+                    Lit::MaybeBytes(bytes) => query.bind(bytes),
+                    Lit::Int(n) => query.bind(n),
+                };
+            }
+            query.fetch_all(&self.pool).await
+        } else {
+            let sql = self.statement(template, args)?;
+            sqlx::raw_sql(AssertSqlSafe(sql))
+                .fetch_all(&self.pool)
+                .await
+        };
+        rows.map_err(|e| self.error(e))
     }
 
     /// Runs `template` and returns the rows it changed.
@@ -277,7 +322,7 @@ impl PostgresStore {
     /// snapshot: the token condition decides anew.
     async fn execute_token_statement(
         &self,
-        template: &str,
+        template: &'static str,
         args: &[Lit<'_>],
     ) -> Result<u64, StoreError> {
         let mut attempts = 1;

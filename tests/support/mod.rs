@@ -150,12 +150,16 @@ impl PgSchema {
         }
     }
 
-    /// A pool straight to the server (never through the pooler), in this schema, for a test's
-    /// own inspections.
+    /// A pool straight to the server (never through the pooler), in this schema, at the
+    /// default isolation level that [`isolation`] names: for a test's own inspections, and for
+    /// what only works on a direct connection (prepared statements).
     pub async fn direct_pool(&self, max_connections: u32) -> PgPool {
-        let opts = PgConnectOptions::from_str(&database_url())
+        let mut opts = PgConnectOptions::from_str(&database_url())
             .unwrap()
             .options([("search_path", self.name.as_str())]);
+        if let Some(level) = isolation() {
+            opts = opts.options([("default_transaction_isolation", level)]);
+        }
         PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(30))
