@@ -11,6 +11,7 @@ use sha2::{Digest, Sha256};
 use tower_layer::Layer;
 
 use crate::rejection::Rejection;
+use crate::response::ReplayedHeaders;
 use crate::service::Idempotency;
 
 /// The default bound of one store call ([`IdempotencyLayer::with_store_timeout`]).
@@ -42,6 +43,7 @@ pub(crate) struct Config {
     pub(crate) max_response_body: usize,
     pub(crate) store_server_errors: bool,
     pub(crate) keep_set_cookie: bool,
+    pub(crate) replayed_headers: ReplayedHeaders,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) scope: Option<Arc<ScopeFn>>,
     pub(crate) scope_required: bool,
@@ -63,6 +65,7 @@ impl Default for Config {
             max_response_body: 1024 * 1024,
             store_server_errors: false,
             keep_set_cookie: false,
+            replayed_headers: ReplayedHeaders::default(),
             fingerprint_headers: Vec::new(),
             scope: None,
             scope_required: false,
@@ -115,6 +118,7 @@ impl fmt::Debug for Config {
             .field("max_response_body", &self.max_response_body)
             .field("store_server_errors", &self.store_server_errors)
             .field("keep_set_cookie", &self.keep_set_cookie)
+            .field("replayed_headers", &self.replayed_headers)
             .field("fingerprint_headers", &self.fingerprint_headers)
             .field("scope", &self.scope.is_some())
             .field("scope_required", &self.scope_required)
@@ -323,6 +327,17 @@ impl<St> IdempotencyLayer<St> {
     /// [`is_replayable_header`](crate::response::is_replayable_header)).
     pub fn with_replayed_set_cookie(self, keep: bool) -> Self {
         self.with(|c| c.keep_set_cookie = keep)
+    }
+
+    /// Which response headers are stored and replayed (default: all but those never
+    /// replayed — hop-by-hop, `Date`, `Content-Length` and the credential-like
+    /// `Authentication-Info`, `Proxy-Authentication-Info` and `Set-Cookie`; see
+    /// [`ReplayedHeaders`]). An allowlist
+    /// (`ReplayedHeaders::only([header::LOCATION])`) keeps a handler's new headers from being
+    /// replayed by surprise; a denylist (`ReplayedHeaders::all_but([…])`) drops per-response
+    /// ones such as a request id. `Content-Type` is always replayed.
+    pub fn with_replayed_headers(self, policy: ReplayedHeaders) -> Self {
+        self.with(|c| c.replayed_headers = policy)
     }
 
     /// Request headers whose values are part of the fingerprint, in addition to the method,

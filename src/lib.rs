@@ -268,7 +268,7 @@ pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, scope_digest};
 pub use mode::Mode;
 pub use plain::Lease;
 pub use rejection::Rejection;
-pub use response::{IDEMPOTENT_REPLAYED, StoredResponse};
+pub use response::{IDEMPOTENT_REPLAYED, ReplayedHeaders, StoredResponse};
 pub use service::Idempotency;
 pub use store::{
     ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, WhenFull, spawn_purge_task,

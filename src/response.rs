@@ -124,16 +124,20 @@ impl StoredResponse {
     }
 }
 
-/// Whether a response header is stored and replayed.
+/// Whether a response header is stored and replayed, before the layer's
+/// [`ReplayedHeaders`] policy is applied.
 ///
 /// Dropped: the hop-by-hop headers (`Connection`, `Keep-Alive`, `Proxy-Connection`, `TE`,
 /// `Trailer`, `Transfer-Encoding`, `Upgrade`, and any named in `Connection`), `Date` (the
 /// replay is a new message; the server adds a fresh one), `Content-Length` (recomputed from the
-/// stored body, so it can never disagree with it), and `Set-Cookie` unless `keep_set_cookie`:
-/// a cookie is usually a session credential, and replaying one hands it to whoever holds the
-/// key — within the same scope, but possibly after the session it belonged to was ended.
+/// stored body, so it can never disagree with it), and the credential-like headers:
+/// `Authentication-Info` and `Proxy-Authentication-Info` always, `Set-Cookie` unless
+/// `keep_set_cookie`. A credential replayed hands it to whoever holds the key — within the
+/// same scope, but possibly after the session it belonged to was ended.
 pub fn is_replayable_header(name: &HeaderName, keep_set_cookie: bool) -> bool {
     !(name == header::CONNECTION
+        || name == "authentication-info"
+        || name == "proxy-authentication-info"
         || name == "keep-alive"
         || name == "proxy-connection"
         || name == header::TE
@@ -146,13 +150,65 @@ pub fn is_replayable_header(name: &HeaderName, keep_set_cookie: bool) -> bool {
         || (!keep_set_cookie && name == header::SET_COOKIE))
 }
 
+/// Which response headers the layer stores and replays
+/// ([`IdempotencyLayer::with_replayed_headers`](crate::IdempotencyLayer::with_replayed_headers)),
+/// among those [`is_replayable_header`] keeps. `Content-Type` is always replayed; hop-by-hop
+/// and credential-like headers never are (`Set-Cookie` only with
+/// [`with_replayed_set_cookie`](crate::IdempotencyLayer::with_replayed_set_cookie)).
+///
+/// The default replays every other header ([`ReplayedHeaders::all_but`] of nothing).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReplayedHeaders {
+    allow: bool,
+    names: Arc<[HeaderName]>,
+}
+
+impl ReplayedHeaders {
+    /// A denylist: every header but those named.
+    pub fn all_but(names: impl IntoIterator<Item = HeaderName>) -> Self {
+        Self {
+            allow: false,
+            names: names.into_iter().collect(),
+        }
+    }
+
+    /// An allowlist: only the headers named (and `Content-Type`).
+    pub fn only(names: impl IntoIterator<Item = HeaderName>) -> Self {
+        Self {
+            allow: true,
+            names: names.into_iter().collect(),
+        }
+    }
+
+    /// Whether the policy keeps `name` (the fixed rules of [`is_replayable_header`] aside).
+    fn keeps(&self, name: &HeaderName) -> bool {
+        if self.allow {
+            name == header::CONTENT_TYPE || self.names.contains(name)
+        } else {
+            !self.names.contains(name)
+        }
+    }
+
+    /// The default: nothing more is dropped.
+    fn keeps_all(&self) -> bool {
+        !self.allow && self.names.is_empty()
+    }
+}
+
 /// Copies the headers of a live response that are stored for replay.
-pub(crate) fn replayable_headers(headers: &HeaderMap, keep_set_cookie: bool) -> HeaderMap {
+pub(crate) fn replayable_headers(
+    headers: &HeaderMap,
+    keep_set_cookie: bool,
+    policy: &ReplayedHeaders,
+) -> HeaderMap {
+    let kept =
+        |name: &HeaderName| is_replayable_header(name, keep_set_cookie) && policy.keeps(name);
     // Most answers carry no header that is dropped (and so no `Connection` header either):
     // copied whole, the map is not rehashed entry by entry.
-    if headers
-        .keys()
-        .all(|name| is_replayable_header(name, keep_set_cookie))
+    if policy.keeps_all()
+        && headers
+            .keys()
+            .all(|name| is_replayable_header(name, keep_set_cookie))
     {
         return headers.clone();
     }
@@ -166,7 +222,7 @@ pub(crate) fn replayable_headers(headers: &HeaderMap, keep_set_cookie: bool) -> 
         .collect();
     let mut out = HeaderMap::with_capacity(headers.len());
     for (name, value) in headers {
-        if !is_replayable_header(name, keep_set_cookie) {
+        if !kept(name) {
             continue;
         }
         if connection_named
@@ -227,10 +283,13 @@ mod tests {
         );
         h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         h.insert(header::LOCATION, HeaderValue::from_static("/p/1"));
-        let kept = replayable_headers(&h, false);
+        let kept = replayable_headers(&h, false, &ReplayedHeaders::default());
         assert_eq!(kept.len(), 2);
         assert!(kept.contains_key(header::CONTENT_TYPE) && kept.contains_key(header::LOCATION));
-        assert!(replayable_headers(&h, true).contains_key(header::SET_COOKIE));
+        assert!(
+            replayable_headers(&h, true, &ReplayedHeaders::default())
+                .contains_key(header::SET_COOKIE)
+        );
     }
 
     #[test]
@@ -239,9 +298,47 @@ mod tests {
         h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         h.append("x-multi", HeaderValue::from_static("1"));
         h.append("x-multi", HeaderValue::from_static("2"));
-        assert_eq!(replayable_headers(&h, false), h);
+        assert_eq!(
+            replayable_headers(&h, false, &ReplayedHeaders::default()),
+            h
+        );
         h.insert(header::SET_COOKIE, HeaderValue::from_static("s=1"));
-        assert_eq!(replayable_headers(&h, true), h);
-        assert_eq!(replayable_headers(&h, false).len(), 3);
+        assert_eq!(replayable_headers(&h, true, &ReplayedHeaders::default()), h);
+        assert_eq!(
+            replayable_headers(&h, false, &ReplayedHeaders::default()).len(),
+            3
+        );
+    }
+
+    #[test]
+    fn credential_like_headers_are_never_replayed() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "authentication-info",
+            HeaderValue::from_static("nextnonce=x"),
+        );
+        h.insert("proxy-authentication-info", HeaderValue::from_static("y"));
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        let kept = replayable_headers(&h, true, &ReplayedHeaders::default());
+        assert_eq!(kept.keys().collect::<Vec<_>>(), [header::CONTENT_TYPE]);
+    }
+
+    #[test]
+    fn allow_and_deny_lists() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        h.insert(header::LOCATION, HeaderValue::from_static("/p/1"));
+        h.insert("x-request-id", HeaderValue::from_static("r1"));
+        h.insert(header::SET_COOKIE, HeaderValue::from_static("s=1"));
+        let deny = ReplayedHeaders::all_but([HeaderName::from_static("x-request-id")]);
+        let kept = replayable_headers(&h, false, &deny);
+        assert!(kept.contains_key(header::LOCATION) && !kept.contains_key("x-request-id"));
+        assert!(kept.contains_key(header::CONTENT_TYPE) && !kept.contains_key(header::SET_COOKIE));
+        let allow = ReplayedHeaders::only([header::LOCATION, header::SET_COOKIE]);
+        let kept = replayable_headers(&h, false, &allow);
+        // Content-Type always; Set-Cookie only with its own switch.
+        assert_eq!(kept.len(), 2, "{kept:?}");
+        assert!(kept.contains_key(header::LOCATION) && kept.contains_key(header::CONTENT_TYPE));
+        assert!(replayable_headers(&h, true, &allow).contains_key(header::SET_COOKIE));
     }
 }

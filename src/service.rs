@@ -20,7 +20,7 @@ use crate::key::IdempotencyKey;
 use crate::layer::{Config, KeySource};
 use crate::mode::{Keyed, Mode, Sealed};
 use crate::rejection::Rejection;
-use crate::response::{IDEMPOTENT_REPLAYED, StoredResponse, replayable_headers};
+use crate::response::{IDEMPOTENT_REPLAYED, ReplayedHeaders, StoredResponse, replayable_headers};
 
 /// Middleware that runs each keyed request's handler once and replays its answer to
 /// retries. Made by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -478,6 +478,7 @@ pub(crate) fn to_store<B: Body>(config: &Config, response: Response<B>) -> ToSto
         len: 0,
         limit: config.max_response_body,
         keep_set_cookie: config.keep_set_cookie,
+        policy: config.replayed_headers.clone(),
     }))
 }
 
@@ -495,6 +496,7 @@ enum Answer<B: Body> {
         len: usize,
         limit: usize,
         keep_set_cookie: bool,
+        policy: ReplayedHeaders,
     },
 }
 
@@ -558,10 +560,11 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
                 chunks,
                 trailers,
                 keep_set_cookie,
+                policy,
                 ..
             } => {
                 let stored = |body| {
-                    let headers = replayable_headers(&parts.headers, keep_set_cookie);
+                    let headers = replayable_headers(&parts.headers, keep_set_cookie, &policy);
                     match body {
                         Some(bytes) => StoredResponse::new(parts.status, headers, bytes),
                         None => StoredResponse::without_body(parts.status, headers),
