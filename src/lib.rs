@@ -254,6 +254,9 @@ pub mod rejection;
 pub mod response;
 mod service;
 pub mod store;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 #[cfg(feature = "postgres")]
 pub mod transactional;
 
