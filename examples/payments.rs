@@ -52,6 +52,7 @@
 //! | `IDEMPOTENCY_LEASE_MS` | `30000` | how long a claim holds a key ([`IdempotencyLayer::with_lease`]); in memory only: in Postgres a claim lasts as long as its transaction |
 //! | `IDEMPOTENCY_STORE_TIMEOUT_MS` | `5000` | the longest one store call may take ([`IdempotencyLayer::with_store_timeout`]; in Postgres also the store's own `statement_timeout`): a store that does not answer in time is answered `503` with `Retry-After` |
 //! | `CHARGE_DELAY_MS` | `0` | how long the provider takes for each new charge |
+//! | `IDEMPOTENCY_WAIT_MS` | `0` | > 0: a duplicate of a request still running waits up to this long for its answer and gets it as a replay ([`IdempotencyLayer::with_wait_for_completion`]; in Postgres woken by `LISTEN/NOTIFY`, [`PostgresStore::with_notifications`]); then `409` as with `0` |
 //! | `MAX_BODY_BYTES` | `1048576` | larger request bodies are answered `413` |
 //! | `IDEMPOTENCY` | `on` | `off`: the same routes without the layer (a baseline for benchmarks) |
 //!
@@ -134,6 +135,8 @@ struct Config {
     lease: Duration,
     store_timeout: Duration,
     charge_delay: Duration,
+    /// How long a duplicate of a request in flight waits for its answer (zero: not at all).
+    wait: Duration,
     max_body_bytes: usize,
     /// `false` (`IDEMPOTENCY=off`): the same routes and handlers, without the layer.
     idempotency: bool,
@@ -159,6 +162,7 @@ impl Config {
             lease: Duration::from_millis(positive("IDEMPOTENCY_LEASE_MS", 30_000)?),
             store_timeout: Duration::from_millis(positive("IDEMPOTENCY_STORE_TIMEOUT_MS", 5_000)?),
             charge_delay: Duration::from_millis(number("CHARGE_DELAY_MS", 0)?),
+            wait: Duration::from_millis(number("IDEMPOTENCY_WAIT_MS", 0)?),
             max_body_bytes: number("MAX_BODY_BYTES", 1024 * 1024)?,
             idempotency,
         })
@@ -252,8 +256,11 @@ async fn serve(config: Config) -> Result<(), BoxError> {
     // Expired keys are never replayed, but they take space until deleted: purge them.
     let (router, purge) = match storage.pools() {
         Some((payments, provider)) if config.idempotency => {
-            let store =
-                PostgresStore::new(payments.clone()).with_statement_timeout(config.store_timeout);
+            // Waiting duplicates are woken by NOTIFY from whichever instance finishes a key.
+            let waits = !config.wait.is_zero();
+            let store = PostgresStore::new(payments.clone())
+                .with_statement_timeout(config.store_timeout)
+                .with_notifications(waits);
             store
                 .migrate()
                 .await
@@ -263,6 +270,7 @@ async fn serve(config: Config) -> Result<(), BoxError> {
             // Transactional mode: each layer opens its transactions on its service's pool.
             let provider_store = PostgresStore::new(provider.clone())
                 .with_statement_timeout(config.store_timeout)
+                .with_notifications(waits)
                 .transactional();
             let router = app(&config, &storage, store.transactional(), provider_store);
             (router, purge)
@@ -366,6 +374,8 @@ fn app<M: Mode>(
                 .with_lease(config.lease)
                 .with_store_timeout(config.store_timeout)
                 .with_max_request_body(config.max_body_bytes)
+                // Zero (the default) leaves waiting off: a duplicate gets 409 at once.
+                .with_wait_for_completion(config.wait)
         })
     };
 

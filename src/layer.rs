@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -16,6 +16,9 @@ use crate::service::Idempotency;
 
 /// The default bound of one store call ([`IdempotencyLayer::with_store_timeout`]).
 pub(crate) const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The default cap on duplicates waiting at once ([`IdempotencyLayer::with_max_waiters`]).
+pub(crate) const DEFAULT_MAX_WAITERS: usize = 1024;
 
 /// The default header: `Idempotency-Key`.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -50,6 +53,12 @@ pub(crate) struct Config {
     pub(crate) shared_scope: bool,
     pub(crate) cancel_on_disconnect: bool,
     pub(crate) rejection: Option<Arc<RejectionFn>>,
+    /// How long a duplicate of a key in flight waits for the first request (`None`: 409 at
+    /// once).
+    pub(crate) wait_for_completion: Option<Duration>,
+    pub(crate) max_waiters: usize,
+    /// The duplicates waiting now, across every service this layer made.
+    pub(crate) waiters: Arc<AtomicUsize>,
 }
 
 impl Default for Config {
@@ -72,6 +81,9 @@ impl Default for Config {
             shared_scope: false,
             cancel_on_disconnect: false,
             rejection: None,
+            wait_for_completion: None,
+            max_waiters: DEFAULT_MAX_WAITERS,
+            waiters: Arc::default(),
         }
     }
 }
@@ -125,6 +137,8 @@ impl fmt::Debug for Config {
             .field("shared_scope", &self.shared_scope)
             .field("cancel_on_disconnect", &self.cancel_on_disconnect)
             .field("rejection", &self.rejection.is_some())
+            .field("wait_for_completion", &self.wait_for_completion)
+            .field("max_waiters", &self.max_waiters)
             .finish()
     }
 }
@@ -448,6 +462,40 @@ impl<St> IdempotencyLayer<St> {
     /// at any `.await` and expensive to finish for nobody.
     pub fn with_cancel_on_disconnect(self, cancel: bool) -> Self {
         self.with(|c| c.cancel_on_disconnect = cancel)
+    }
+
+    /// Lets a duplicate of a request still in flight wait up to `max` for the first one's
+    /// answer, instead of getting `409` at once (default: no wait).
+    ///
+    /// A client that timed out and retried while its first request still runs then gets
+    /// that request's answer as a replay (`Idempotent-Replayed: true`) as soon as it is
+    /// stored. When the first request fails instead (a `5xx`, an error, a panic: its key is
+    /// released), the waiters claim the key again and exactly one of them runs the handler;
+    /// the others wait on for that one. When `max` runs out first, the duplicate gets the
+    /// `409` with `Retry-After` it gets without this setting. A `max` of zero turns waiting
+    /// off.
+    ///
+    /// A waiter holds no store connection while it waits: it sleeps until its store says the
+    /// key changed ([`Store::watch`](crate::Store::watch)), then claims again.
+    /// [`MemoryStore`](crate::MemoryStore) wakes waiters in its process;
+    /// [`PostgresStore`](crate::PostgresStore) wakes them in every process sharing the
+    /// database once it is built
+    /// [`with_notifications`](crate::PostgresStore::with_notifications) (`LISTEN/NOTIFY`).
+    /// A store that cannot tell makes waiters claim again at growing intervals; every waiter
+    /// also claims again at least once a second, which covers a first request whose process
+    /// died. Works in plain and transactional mode.
+    ///
+    /// Waiting is bounded by [`with_max_waiters`](Self::with_max_waiters). Keep `max` well
+    /// below your clients' own timeout, or their retry gives up before the answer comes.
+    pub fn with_wait_for_completion(self, max: Duration) -> Self {
+        self.with(|c| c.wait_for_completion = (!max.is_zero()).then_some(max))
+    }
+
+    /// The most duplicates that wait at once
+    /// ([`with_wait_for_completion`](Self::with_wait_for_completion)), across every service
+    /// this layer makes (default 1024). One more gets `409` at once.
+    pub fn with_max_waiters(self, max: usize) -> Self {
+        self.with(|c| c.max_waiters = max)
     }
 
     /// Renders the layer's own answers (400, 401, 409, 413, 422, 503) differently. The default

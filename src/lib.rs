@@ -259,6 +259,7 @@ pub mod store;
 pub mod testing;
 #[cfg(feature = "postgres")]
 pub mod transactional;
+mod wait;
 
 pub use error::{BoxError, StoreError};
 #[cfg(feature = "axum")]

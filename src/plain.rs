@@ -39,6 +39,7 @@ use crate::service::{
     read_request, record, render, store_call, to_store,
 };
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
+use crate::wait::claim_or_wait;
 
 type BoxTask = Pin<Box<dyn Future<Output = ()> + Send>>;
 
@@ -203,10 +204,21 @@ where
             lease: config.lease,
             ttl: config.ttl,
         };
-        // The lease runs from some moment after this: renewals count from here.
-        let claimed_at = Instant::now();
-        let answer = match store_call("claim", config.store_timeout, store.claim(request)).await {
-            Ok(ClaimOutcome::Acquired { token, takeover }) => {
+        let claim = || {
+            // The lease runs from some moment after this: renewals count from here.
+            let sent = Instant::now();
+            let call = store_call("claim", config.store_timeout, store.claim(request));
+            async move {
+                Ok(match call.await? {
+                    ClaimOutcome::Acquired { token, takeover } => Ok((token, takeover, sent)),
+                    ClaimOutcome::Completed(stored) => Err(Taken::Completed(stored)),
+                    ClaimOutcome::InFlight { retry_after } => Err(Taken::InFlight(retry_after)),
+                    ClaimOutcome::Mismatch => Err(Taken::Mismatch),
+                })
+            }
+        };
+        let answer = match claim_or_wait(&config, &store, &scope, &key, claim).await {
+            Ok(Ok((token, takeover, claimed_at))) => {
                 record(if takeover {
                     Outcome::Takeover
                 } else {
@@ -226,11 +238,7 @@ where
                     config,
                 });
             }
-            Ok(ClaimOutcome::Completed(stored)) => answer_taken(&config, Taken::Completed(stored)),
-            Ok(ClaimOutcome::InFlight { retry_after }) => {
-                answer_taken(&config, Taken::InFlight(retry_after))
-            }
-            Ok(ClaimOutcome::Mismatch) => answer_taken(&config, Taken::Mismatch),
+            Ok(Err(taken)) => answer_taken(&config, taken),
             Err(err) => {
                 record(Outcome::StoreError);
                 log_store_error(&err, "claim a key; answered 503");

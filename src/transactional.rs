@@ -118,10 +118,12 @@ use crate::service::{
     render, store_call, to_store,
 };
 use crate::store::PostgresStore;
+use crate::store::listen::CHANNEL;
 use crate::store::postgres::{
     db_error, decode_response, is_serialization_failure, millis, status_column,
 };
 use crate::store::sql::{push_bounds, push_bytea, push_text};
+use crate::wait::claim_or_wait;
 
 /// A [`PostgresStore`] in transactional mode; made by
 /// [`PostgresStore::transactional`]. Use it as the layer's store:
@@ -259,11 +261,20 @@ struct OpenTx {
 impl OpenTx {
     /// Rolls the transaction back and returns the connection to the pool (closing it if the
     /// rollback fails).
-    async fn rollback(mut self) {
+    /// Rolls back; then notifies `notify` (a payload) on the store's channel, to wake the
+    /// waiters of the key this transaction held.
+    async fn rollback(mut self, notify: Option<u64>) {
         let bound = self.bound;
         let rolled_back = async {
             let conn = self.conn()?;
-            sqlx::raw_sql("ROLLBACK").execute(conn).await?;
+            match notify {
+                None => sqlx::raw_sql("ROLLBACK").execute(conn).await?,
+                Some(payload) => {
+                    // The payload is a number: nothing to escape.
+                    let sql = format!("ROLLBACK; SELECT pg_notify('{CHANNEL}', '{payload}')");
+                    sqlx::raw_sql(AssertSqlSafe(sql)).execute(conn).await?
+                }
+            };
             Ok::<_, StoreError>(())
         };
         match tokio::time::timeout(bound, rolled_back).await {
@@ -277,7 +288,7 @@ impl OpenTx {
     /// Rolls back off the request's path.
     fn rollback_later(self) {
         if tokio::runtime::Handle::try_current().is_ok() {
-            tokio::spawn(self.rollback());
+            tokio::spawn(self.rollback(None));
         }
         // Without a runtime, the drop closes the connection instead.
     }
@@ -461,6 +472,7 @@ fn completion_batch(
     stored: &StoredResponse,
     rollback_handler: bool,
     (statement_timeout, lock_timeout): (Duration, Duration),
+    notify: Option<u64>,
 ) -> Result<String, StoreError> {
     let status = status_column(stored)?;
     let headers = stored.encode_headers();
@@ -493,7 +505,16 @@ fn completion_batch(
         Some(body) => push_bytea(&mut sql, body),
         None => sql.push_str("NULL"),
     }
-    sql.push_str("); COMMIT");
+    sql.push_str("); ");
+    // Delivered when the transaction commits: wakes the key's waiters.
+    if let Some(payload) = notify {
+        sql.push_str("SELECT pg_notify('");
+        sql.push_str(CHANNEL);
+        sql.push_str("', '");
+        sql.push_str(&payload.to_string());
+        sql.push_str("'); ");
+    }
+    sql.push_str("COMMIT");
     Ok(sql)
 }
 
@@ -576,9 +597,9 @@ async fn claim(
     Ok(Err(Taken::InFlight(HELD_RETRY_AFTER)))
 }
 
-async fn rollback(tx: Option<OpenTx>) {
+async fn rollback(tx: Option<OpenTx>, notify: Option<u64>) {
     if let Some(tx) = tx {
-        tx.rollback().await;
+        tx.rollback(notify).await;
     }
 }
 
@@ -603,8 +624,9 @@ async fn complete(
     ttl: Duration,
     stored: &StoredResponse,
     bounds: (Duration, Duration),
+    notify: Option<u64>,
 ) -> Result<Completion, StoreError> {
-    let batch = completion_batch(claimed, ttl, stored, false, bounds)?;
+    let batch = completion_batch(claimed, ttl, stored, false, bounds, notify)?;
     let done = sqlx::raw_sql(AssertSqlSafe(batch))
         .execute(tx.conn()?)
         .await;
@@ -619,7 +641,7 @@ async fn complete(
         tx.rollback_later();
         return Ok(Completion::Failed(err));
     }
-    let batch = completion_batch(claimed, ttl, stored, true, bounds)?;
+    let batch = completion_batch(claimed, ttl, stored, true, bounds, notify)?;
     let done = sqlx::raw_sql(AssertSqlSafe(batch))
         .execute(tx.conn()?)
         .await;
@@ -669,14 +691,17 @@ impl Sealed for Transactional {
             render(&config, &Rejection::StoreUnavailable)
         };
 
-        let claim = claim(
-            &self,
-            &scope,
-            key.as_str(),
-            fingerprint.as_bytes(),
-            config.store_timeout,
-        );
-        let claimed = store_call("claim", config.store_timeout, claim).await;
+        let claim = || {
+            let claim = claim(
+                &self,
+                &scope,
+                key.as_str(),
+                fingerprint.as_bytes(),
+                config.store_timeout,
+            );
+            store_call("claim", config.store_timeout, claim)
+        };
+        let claimed = claim_or_wait(&config, &self.store, &scope, &key, claim).await;
         let (tx, placeholder) = match claimed {
             Ok(Ok(claimed)) => claimed,
             Ok(Err(taken)) => return Ok(answer_taken(&config, taken)),
@@ -697,17 +722,20 @@ impl Sealed for Transactional {
             parts,
             RequestBody::buffered(buffered.chunks, buffered.trailers),
         );
+        // Rolled back: the key is free again, and its waiters (if the store wakes them)
+        // claim it.
+        let notify = self.store.notification(&scope, &key);
         let response = match inner.call(req).await {
             Ok(r) => r,
             Err(e) => {
-                rollback(handle.take()).await;
+                rollback(handle.take(), notify).await;
                 return Err(e);
             }
         };
         let (response, stored) = to_store(&config, response).await;
         let Some(stored) = stored else {
             // A 5xx, or a body that failed: roll the handler's writes back.
-            rollback(handle.take()).await;
+            rollback(handle.take(), notify).await;
             return Ok(response);
         };
         let Some(tx) = handle.take() else {
@@ -717,7 +745,7 @@ impl Sealed for Transactional {
             return Ok(render(&config, &Rejection::StoreUnavailable));
         };
         let bounds = self.store.bounds();
-        let completion = complete(tx, &placeholder, config.ttl, &stored, bounds);
+        let completion = complete(tx, &placeholder, config.ttl, &stored, bounds, notify);
         // A timeout here leaves the outcome unknown: the connection is closed with the
         // transaction (dropped with the completion), and the COMMIT, if the server got it,
         // may have happened. The client gets 503; its retry replays the answer if it did,
@@ -792,17 +820,19 @@ mod tests {
             key: "k".into(),
         };
         let ttl = Duration::from_secs(1);
-        let done = completion_batch(&placeholder, ttl, &stored, false, unbounded).unwrap();
+        let done = completion_batch(&placeholder, ttl, &stored, false, unbounded, None).unwrap();
         assert_eq!(
             done,
             "SELECT tower_idempotency_complete_tx('(0,7)',E't',E'k',1000,201::smallint,\
              decode('','hex'),decode('7b7d','hex')); COMMIT"
         );
-        let again = completion_batch(&placeholder, ttl, &stored, true, bounded).unwrap();
+        let again = completion_batch(&placeholder, ttl, &stored, true, bounded, Some(42)).unwrap();
         assert!(again.starts_with(
             "ROLLBACK TO SAVEPOINT tower_idempotency_handler; SET LOCAL statement_timeout = 5000; \
              SET LOCAL lock_timeout = 1000; SELECT "
         ));
+        // The wake-up goes in the transaction, before its COMMIT.
+        assert!(again.ends_with("; SELECT pg_notify('tower_idempotency', '42'); COMMIT"));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
+use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store};
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, MAX_KEY_LEN};
@@ -105,6 +105,8 @@ struct Inner {
     /// not be able to choose colliding hashes.
     hasher: std::hash::RandomState,
     usage: Usage,
+    /// Wakes the duplicates waiting for a key ([`Store::watch`]).
+    notifier: KeyNotifier,
     /// Tests only: every (scope, key) gets the same hash, so that records share slots.
     #[cfg(test)]
     same_hash: bool,
@@ -620,7 +622,7 @@ impl Store for MemoryStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.with_held(scope, key, token, |held, now| match held {
+        let done = self.with_held(scope, key, token, |held, now| match held {
             Some((e, index, hash)) => {
                 index.remove(e);
                 e.state = State::Completed(Answer::encode(response));
@@ -630,7 +632,11 @@ impl Store for MemoryStore {
                 true
             }
             None => false,
-        }))
+        });
+        if done {
+            self.inner.notifier.notify(scope, key);
+        }
+        Ok(done)
     }
 
     async fn release(
@@ -653,7 +659,16 @@ impl Store for MemoryStore {
             drop(shard);
             self.inner.usage.freed(1, record.bytes());
         }
+        self.inner.notifier.notify(scope, key);
         Ok(true)
+    }
+
+    async fn watch(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+    ) -> Result<Option<KeyWatch>, StoreError> {
+        Ok(Some(self.inner.notifier.watch(scope, key)))
     }
 
     async fn renew(

@@ -37,13 +37,17 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::response::StoredResponse;
 
+#[cfg(feature = "postgres")]
+pub(crate) mod listen;
 mod memory;
+mod notify;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(feature = "postgres")]
 pub(crate) mod sql;
 
 pub use memory::{MemoryStore, WhenFull};
+pub use notify::{KeyNotifier, KeyWatch};
 #[cfg(feature = "postgres")]
 pub use postgres::{ClaimStrategy, PostgresStore};
 
@@ -150,6 +154,29 @@ pub trait Store: Clone + Send + Sync + 'static {
         token: LeaseToken,
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Subscribes to the changes of a key, for a duplicate that waits for the first
+    /// request's answer
+    /// ([`with_wait_for_completion`](crate::IdempotencyLayer::with_wait_for_completion)).
+    ///
+    /// The returned [`KeyWatch`] finishes when the key's record may have changed after this
+    /// call — completed or released, by a request in this process or (for a store shared by
+    /// several) in any other; spurious wake-ups are fine, the waiter claims the key again. A
+    /// store keeps a [`KeyNotifier`] for this and calls it from
+    /// [`complete`](Self::complete) and [`release`](Self::release).
+    ///
+    /// The default, `None`, says the store cannot tell: waiters then claim the key again at
+    /// growing intervals (20 ms doubling up to 500 ms) until it is free or their bound runs
+    /// out. Either way a waiter also claims again at least once a second, which covers a
+    /// first request whose process died.
+    fn watch(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+    ) -> impl Future<Output = Result<Option<KeyWatch>, StoreError>> + Send {
+        let _ = (scope, key);
+        std::future::ready(Ok(None))
+    }
 
     /// Deletes expired records, at most `batch_size` per statement (or lock), until none are
     /// left. Returns how many were deleted.

@@ -3,11 +3,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
-use sqlx::postgres::PgRow;
+use std::sync::Arc;
+
+use sqlx::postgres::{PgConnectOptions, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
+use super::listen::{CHANNEL, PgNotifier};
 use super::sql::{Lit, append, push_bounds};
-use super::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
+use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store};
 use crate::error::StoreError;
 use crate::key::IdempotencyKey;
 use crate::response::StoredResponse;
@@ -106,6 +109,8 @@ pub struct PostgresStore {
     statement_timeout: Duration,
     lock_timeout: Duration,
     prepared: bool,
+    /// Wake-ups for waiting duplicates ([`PostgresStore::with_notifications`]).
+    notifier: Option<Arc<PgNotifier>>,
 }
 
 /// The default `statement_timeout` of the store's statements.
@@ -155,7 +160,51 @@ impl PostgresStore {
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             prepared: false,
+            notifier: None,
         }
+    }
+
+    /// Whether completions and releases wake the duplicates waiting for their keys, in
+    /// every process sharing the database (default `false`), for layers built
+    /// [`with_wait_for_completion`](crate::IdempotencyLayer::with_wait_for_completion).
+    ///
+    /// Each completion and release then also sends `NOTIFY tower_idempotency, '<hash of the
+    /// key>'` in its own transaction (delivered when that commits), and the store keeps one
+    /// connection of its own (not from the pool, opened by the first waiter) that `LISTEN`s
+    /// and wakes the waiters of its process; a waiter holds no connection while it waits.
+    /// Turn it on in **every** process that shares the keys: a process without it completes
+    /// keys silently, and the waiters elsewhere notice only at their next recheck (within a
+    /// second). Postgres serializes the commits of transactions that notified, so it costs
+    /// some throughput under many concurrent completions: leave it off unless duplicates
+    /// wait (see BENCHMARKS.md).
+    ///
+    /// The listening connection goes where the pool's connections go. Behind a pooler in
+    /// transaction mode (PgBouncer), `LISTEN` does not work: give it a direct connection
+    /// with [`with_listener_options`](Self::with_listener_options). While it cannot listen
+    /// (not yet connected, reconnecting), waiters claim again at growing intervals instead.
+    pub fn with_notifications(mut self, on: bool) -> Self {
+        self.notifier = on.then(|| {
+            Arc::new(PgNotifier::new(
+                self.pool.connect_options().as_ref().clone(),
+            ))
+        });
+        self
+    }
+
+    /// Where the connection that listens for wake-ups connects
+    /// ([`with_notifications`](Self::with_notifications); turns them on): a direct
+    /// connection to the primary when the pool goes through a pooler in transaction mode.
+    pub fn with_listener_options(mut self, options: PgConnectOptions) -> Self {
+        self.notifier = Some(Arc::new(PgNotifier::new(options)));
+        self
+    }
+
+    /// The payload of the notification of a change of (scope, key), when notifications are
+    /// on.
+    pub(crate) fn notification(&self, scope: &str, key: &IdempotencyKey) -> Option<u64> {
+        self.notifier
+            .as_ref()
+            .map(|_| KeyNotifier::key_hash(scope, key))
     }
 
     /// Whether plain mode's statements are sent as prepared statements (default `false`).
@@ -207,26 +256,47 @@ impl PostgresStore {
 
     /// The statement text of `template` with its arguments written in, after the store's
     /// bounds: one message, sent over the simple query protocol (see [`super::sql`]).
-    fn statement(&self, template: &str, args: &[Lit<'_>]) -> Result<String, StoreError> {
+    fn statement(
+        &self,
+        template: &str,
+        args: &[Lit<'_>],
+        notify: Option<u64>,
+    ) -> Result<String, StoreError> {
         let hint: usize = args.iter().map(Lit::len_hint).sum();
         let mut sql = String::with_capacity(128 + template.len() + hint);
-        // Each statement is atomic on its own (a unique index or a row lock decides every
-        // race), so it needs no snapshot older than itself: at READ COMMITTED, whatever the
-        // session's default, it never fails a serialization check against another key's
-        // claim (under SERIALIZABLE, claims of distinct keys that share an index page would).
         sql.push_str("SET LOCAL transaction_isolation = 'read committed'; ");
         // The functions bound their own lock waits (their `p_lock_ms`); the purge, a plain
         // statement, waits for no lock (`SKIP LOCKED`).
         push_bounds(&mut sql, self.statement_timeout, Duration::ZERO);
         append(&mut sql, template, args)?;
+        // After the statement (whose row stays the first), in its transaction: delivered only
+        // if it commits. The payload is a number.
+        if let Some(payload) = notify {
+            sql.push_str("; SELECT pg_notify('");
+            sql.push_str(CHANNEL);
+            sql.push_str("', '");
+            sql.push_str(&payload.to_string());
+            sql.push_str("')");
+        }
         Ok(sql)
     }
 
-    /// Runs `template` and returns the rows of its last statement.
+    /// Runs `template` and returns its rows (the settings sent before it return none).
     async fn rows(
         &self,
         template: &'static str,
         args: &[Lit<'_>],
+    ) -> Result<Vec<PgRow>, StoreError> {
+        self.rows_notifying(template, args, None).await
+    }
+
+    /// [`rows`](Self::rows), also notifying `notify` (a key hash) on the store's channel when
+    /// the statement commits; the notification's row follows the statement's.
+    async fn rows_notifying(
+        &self,
+        template: &'static str,
+        args: &[Lit<'_>],
+        notify: Option<u64>,
     ) -> Result<Vec<PgRow>, StoreError> {
         let rows = if self.prepared {
             let mut query = sqlx::query(template);
@@ -238,9 +308,24 @@ impl PostgresStore {
                     Lit::Int(n) => query.bind(n),
                 };
             }
-            query.fetch_all(&self.pool).await
+            let rows = query.fetch_all(&self.pool).await;
+            // Prepared statements go alone: the notification follows in its own statement
+            // (lost if this fails: the waiters' rechecks cover it).
+            if let (Ok(_), Some(payload)) = (&rows, notify)
+                && let Err(err) = sqlx::query("SELECT pg_notify($1, $2)")
+                    .bind(CHANNEL)
+                    .bind(payload.to_string())
+                    .execute(&self.pool)
+                    .await
+            {
+                tracing::debug!(
+                    error = &err as &dyn std::error::Error,
+                    "idempotency: NOTIFY failed"
+                );
+            }
+            rows
         } else {
-            let sql = self.statement(template, args)?;
+            let sql = self.statement(template, args, notify)?;
             sqlx::raw_sql(AssertSqlSafe(sql))
                 .fetch_all(&self.pool)
                 .await
@@ -250,7 +335,7 @@ impl PostgresStore {
 
     /// Runs `template` and returns the rows it changed.
     async fn execute(&self, template: &str, args: &[Lit<'_>]) -> Result<u64, StoreError> {
-        let sql = self.statement(template, args)?;
+        let sql = self.statement(template, args, None)?;
         sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&self.pool)
             .await
@@ -324,10 +409,11 @@ impl PostgresStore {
         &self,
         template: &'static str,
         args: &[Lit<'_>],
+        notify: Option<u64>,
     ) -> Result<u64, StoreError> {
         let mut attempts = 1;
         loop {
-            match self.rows(template, args).await {
+            match self.rows_notifying(template, args, notify).await {
                 Ok(rows) => {
                     let changed = match rows.first() {
                         Some(row) => row.try_get::<i64, _>("changed")?,
@@ -717,7 +803,10 @@ impl Store for PostgresStore {
             Lit::MaybeBytes(response.body().map(|b| &b[..])),
             Lit::Int(millis(self.lock_timeout)),
         ];
-        let done = self.execute_token_statement(COMPLETE, &args).await?;
+        let notify = self.notification(scope, key);
+        let done = self
+            .execute_token_statement(COMPLETE, &args, notify)
+            .await?;
         Ok(done == 1)
     }
 
@@ -733,7 +822,8 @@ impl Store for PostgresStore {
             Lit::Int(token.into_raw()),
             Lit::Int(millis(self.lock_timeout)),
         ];
-        let done = self.execute_token_statement(RELEASE, &args).await?;
+        let notify = self.notification(scope, key);
+        let done = self.execute_token_statement(RELEASE, &args, notify).await?;
         Ok(done == 1)
     }
 
@@ -751,8 +841,19 @@ impl Store for PostgresStore {
             Lit::Int(millis(lease)),
             Lit::Int(millis(self.lock_timeout)),
         ];
-        let done = self.execute_token_statement(RENEW, &args).await?;
+        let done = self.execute_token_statement(RENEW, &args, None).await?;
         Ok(done == 1)
+    }
+
+    async fn watch(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+    ) -> Result<Option<KeyWatch>, StoreError> {
+        Ok(match &self.notifier {
+            Some(notifier) => notifier.watch(scope, key, self.statement_timeout).await,
+            None => None,
+        })
     }
 
     async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {

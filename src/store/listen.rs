@@ -1,0 +1,146 @@
+//! Wake-ups across processes for [`PostgresStore`](super::PostgresStore): completions and
+//! releases send `NOTIFY tower_idempotency, '<key hash>'`, and one listening connection per
+//! store (not taken from the application's pool) wakes the waiting duplicates of its process.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use tokio::sync::watch;
+
+use super::notify::{KeyNotifier, KeyWatch};
+use crate::key::IdempotencyKey;
+
+/// The channel of the store's notifications.
+pub(crate) const CHANNEL: &str = "tower_idempotency";
+
+/// How long the listener rests after it failed to connect or lost its connection.
+const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
+
+/// The wake-ups of one store (shared by its clones).
+pub(crate) struct PgNotifier {
+    keys: KeyNotifier,
+    /// Where the listening connection connects: the pool's server, unless set otherwise
+    /// (behind a pooler in transaction mode, `LISTEN` needs a direct connection).
+    options: PgConnectOptions,
+    /// Whether the listener is listening now.
+    listening: Arc<watch::Sender<bool>>,
+    /// The listener task, started by the first waiter, aborted when the store is dropped.
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl PgNotifier {
+    pub(crate) fn new(options: PgConnectOptions) -> Self {
+        Self {
+            keys: KeyNotifier::new(),
+            options,
+            listening: Arc::new(watch::Sender::new(false)),
+            task: Mutex::new(None),
+        }
+    }
+
+    /// Subscribes to the key's changes once the listener listens; `None` when it cannot
+    /// within `bound` (the waiter then polls) or there is no runtime to run it in.
+    pub(crate) async fn watch(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        bound: Duration,
+    ) -> Option<KeyWatch> {
+        self.start()?;
+        let mut listening = self.listening.subscribe();
+        match tokio::time::timeout(bound, listening.wait_for(|on| *on)).await {
+            Ok(Ok(_)) => Some(self.keys.watch(scope, key)),
+            _ => None,
+        }
+    }
+
+    /// Starts the listener task if it is not running.
+    fn start(&self) -> Option<()> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        // A poisoned lock means a panic while starting; the slot itself is still sound.
+        let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
+        if task.as_ref().is_none_or(|t| t.is_finished()) {
+            *task = Some(runtime.spawn(listen(
+                self.options.clone(),
+                self.keys.clone(),
+                self.listening.clone(),
+            )));
+        }
+        Some(())
+    }
+}
+
+impl std::fmt::Debug for PgNotifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgNotifier")
+            .field("listening", &*self.listening.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for PgNotifier {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.get_mut().ok().and_then(Option::take) {
+            task.abort();
+        }
+    }
+}
+
+/// Listens on [`CHANNEL`] for good: wakes the waiters of each key named, and every waiter
+/// after a lost connection (their wake-ups may have been lost with it).
+async fn listen(options: PgConnectOptions, keys: KeyNotifier, listening: Arc<watch::Sender<bool>>) {
+    // One connection of its own, without the application pool's timeouts.
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .connect_lazy_with(options);
+    loop {
+        let mut listener = match PgListener::connect_with(&pool).await {
+            Ok(listener) => listener,
+            Err(err) => {
+                tracing::warn!(
+                    error = &err as &dyn std::error::Error,
+                    "idempotency: cannot connect to listen for finished keys; waiting \
+                     duplicates poll meanwhile"
+                );
+                tokio::time::sleep(RECONNECT_PAUSE).await;
+                continue;
+            }
+        };
+        if let Err(err) = listener.listen(CHANNEL).await {
+            tracing::warn!(
+                error = &err as &dyn std::error::Error,
+                "idempotency: LISTEN failed; waiting duplicates poll meanwhile"
+            );
+            tokio::time::sleep(RECONNECT_PAUSE).await;
+            continue;
+        }
+        listening.send_replace(true);
+        // Whatever changed before this point was not heard: every waiter claims again.
+        keys.notify_all();
+        loop {
+            match listener.try_recv().await {
+                Ok(Some(notification)) => {
+                    if let Ok(hash) = notification.payload().parse::<u64>() {
+                        keys.notify_hash(hash);
+                    }
+                }
+                // The connection was lost and made again (listening again): what was sent
+                // meanwhile is lost, so every waiter claims again.
+                Ok(None) => keys.notify_all(),
+                Err(err) => {
+                    tracing::warn!(
+                        error = &err as &dyn std::error::Error,
+                        "idempotency: lost the connection that listens for finished keys"
+                    );
+                    break;
+                }
+            }
+        }
+        listening.send_replace(false);
+        keys.notify_all();
+        tokio::time::sleep(RECONNECT_PAUSE).await;
+    }
+}
