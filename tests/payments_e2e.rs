@@ -52,6 +52,7 @@ const EXAMPLE_VARS: &[&str] = &[
     "CHARGE_DELAY_MS",
     "MAX_BODY_BYTES",
     "IDEMPOTENCY",
+    "IDEMPOTENCY_WAIT_MS",
 ];
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -724,6 +725,55 @@ async fn concurrent_duplicates_are_charged_once() {
     expect_replay_of(&retry, first);
 }
 
+/// `IDEMPOTENCY_WAIT_MS`: duplicates sent while the first payment is still being charged
+/// wait for it and get its exact answer, replayed; the provider charges once.
+async fn duplicates_wait_for_the_first_answer(env: &[(&str, &str)]) {
+    let mut env = env.to_vec();
+    env.extend([("CHARGE_DELAY_MS", "800"), ("IDEMPOTENCY_WAIT_MS", "20000")]);
+    let server = Server::start(&env);
+    let api = server.api();
+    let headers = [
+        ("idempotency-key", "impatient-client"),
+        ("authorization", "Bearer acme"),
+    ];
+    let first = {
+        let api = api.clone();
+        tokio::spawn(async move { api.pay(&headers, 12, 990).await })
+    };
+    // The duplicates arrive while the provider sleeps inside the first charge.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut duplicates = tokio::task::JoinSet::new();
+    for _ in 0..5 {
+        let api = api.clone();
+        duplicates.spawn(async move { api.pay(&headers, 12, 990).await });
+    }
+    let first = first.await.unwrap();
+    expect_new_payment(&first, 12, 990);
+    assert!(!first.replayed());
+    for reply in duplicates.join_all().await {
+        // Never a 409: each waited, and got the first's answer byte for byte.
+        expect_replay_of(&reply, &first);
+    }
+    assert_eq!(api.charges().await, 1, "the provider charged once");
+    assert_eq!(
+        api.order(Some("acme"), 12).await,
+        order_json(12, 990, 1, None)
+    );
+}
+
+#[tokio::test]
+async fn waiting_duplicates_get_the_first_answer() {
+    duplicates_wait_for_the_first_answer(&[]).await;
+}
+
+#[tokio::test]
+async fn postgres_waiting_duplicates_get_the_first_answer() {
+    with_fresh_database(|url| async move {
+        duplicates_wait_for_the_first_answer(&[("DATABASE_URL", &url)]).await;
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_body_over_the_limit_is_413_and_nothing_is_stored() {
     let server = Server::start(&[("MAX_BODY_BYTES", "1024")]);
@@ -1058,6 +1108,7 @@ fn invalid_configuration_is_reported_and_exits_non_zero() {
         ("IDEMPOTENCY_TTL_SECS", "-1"),
         ("IDEMPOTENCY_LEASE_MS", "1.5"),
         ("CHARGE_DELAY_MS", "soon"),
+        ("IDEMPOTENCY_WAIT_MS", "-5"),
         ("MAX_BODY_BYTES", "1MB"),
         ("IDEMPOTENCY", "maybe"),
         ("BIND", "not an address"),
