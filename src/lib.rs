@@ -64,7 +64,7 @@
 //! | state of (scope, key) | answer |
 //! |---|---|
 //! | absent, or expired (completed longer ago than the TTL; in progress, it never expires while its lease runs) | the key is claimed *in progress* under a lease; the handler runs |
-//! | in progress, lease running | `409 Conflict` with `Retry-After: 1`; handler not run |
+//! | in progress, lease running | `409 Conflict` with `Retry-After: 1`; handler not run (or, with [`with_wait_for_completion`](IdempotencyLayer::with_wait_for_completion), the duplicate waits, bounded, and gets the first's answer replayed) |
 //! | in progress, lease ran out (its process died, or could not renew it) | taken over with a new fencing token; the handler runs |
 //! | completed | the stored status, headers and body replayed with `Idempotent-Replayed: true`; handler not run |
 //! | any, with another fingerprint | `422 Unprocessable Content`; handler not run; record unchanged |
@@ -178,6 +178,8 @@
 //! | [`with_replayed_set_cookie`](IdempotencyLayer::with_replayed_set_cookie) | `false` |
 //! | [`with_fingerprint_headers`](IdempotencyLayer::with_fingerprint_headers) | none |
 //! | [`with_cancel_on_disconnect`](IdempotencyLayer::with_cancel_on_disconnect) | `false`: a started handler runs to its end |
+//! | [`with_wait_for_completion`](IdempotencyLayer::with_wait_for_completion) | none: a duplicate of a request in flight gets `409` at once |
+//! | [`with_max_waiters`](IdempotencyLayer::with_max_waiters) | 1024 waiting duplicates per layer |
 //! | [`with_rejection_handler`](IdempotencyLayer::with_rejection_handler) | problem+json |
 //!
 //! # Layer ordering

@@ -1,5 +1,5 @@
 //! [`KeyNotifier`] and [`KeyWatch`]: how a store tells waiting duplicates that a key changed
-//! ([`Store::watch`](super::Store::watch)).
+//! ([`Store::watch`](super::Store::watch)(super::Store::watch)).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,7 +17,7 @@ use crate::key::IdempotencyKey;
 /// other's waiters, who claim again, find their own key still in flight, and sleep on.
 const SLOTS: usize = 256;
 
-/// Wakes the waiters of keys whose records changed, for a store's [`Store::watch`].
+/// Wakes the waiters of keys whose records changed, for a store's [`Store::watch`](super::Store::watch).
 ///
 /// Keys are spread over a fixed number of slots (no allocation per key, nothing to clean
 /// up); a wake-up wakes every waiter of its slot, and each of them claims its key again.
@@ -128,7 +128,7 @@ impl KeyNotifier {
     }
 }
 
-/// A subscription to the changes of one key ([`Store::watch`]): a future that finishes when
+/// A subscription to the changes of one key ([`Store::watch`](super::Store::watch)): a future that finishes when
 /// the key's record may have changed. Wake-ups may be spurious (keys share slots); a waiter
 /// always claims the key again to see what changed.
 pub struct KeyWatch {
