@@ -89,6 +89,8 @@ pub async fn check_all<S: Store>(first: S, second: S) -> Result<Vec<&'static str
     passed.push("tokens_are_never_reused");
     purge_removes_expired_records(&first).await?;
     passed.push("purge_removes_expired_records");
+    watch_wakes_on_complete_and_release(&first, &second).await?;
+    passed.push("watch_wakes_on_complete_and_release");
     Ok(passed)
 }
 
@@ -443,6 +445,45 @@ fn claim(key: &IdempotencyKey, fp: u8) -> ClaimRequest<'_> {
         lease: TTL,
         ttl: TTL,
     }
+}
+
+/// A store that offers [`Store::watch`] (for waiting duplicates) keeps its word: a watch
+/// made on one instance finishes when the other instance completes the key, and when it
+/// releases it. A store without watches (`None`, the default) passes.
+///
+/// # Errors
+///
+/// A [`Failure`] when a watch does not finish within 10 s of the change.
+pub async fn watch_wakes_on_complete_and_release<S: Store>(first: &S, second: &S) -> Outcome {
+    const CHECK: &str = "watch_wakes_on_complete_and_release";
+    for release in [false, true] {
+        let key = fresh_key(CHECK)?;
+        let token = acquire(CHECK, first, claim(&key, 1)).await?;
+        let watch = match second.watch("", &key).await {
+            Ok(Some(watch)) => watch,
+            Ok(None) => return Ok(()),
+            Err(e) => return fail(CHECK, format!("watch gave {e:?}")),
+        };
+        if release {
+            match first.release("", &key, token).await {
+                Ok(true) => {}
+                other => return fail(CHECK, format!("release by the holder gave {other:?}")),
+            }
+        } else {
+            complete(CHECK, first, &key, token, &sample_answer()).await?;
+        }
+        let what = if release { "release" } else { "completion" };
+        if tokio::time::timeout(Duration::from_secs(10), watch)
+            .await
+            .is_err()
+        {
+            return fail(
+                CHECK,
+                format!("a watch on the other instance did not finish within 10 s of a {what}"),
+            );
+        }
+    }
+    Ok(())
 }
 
 async fn acquire<S: Store>(

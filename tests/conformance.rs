@@ -8,7 +8,7 @@ use support::PgSchema;
 use tower_idempotency::{MemoryStore, PostgresStore, testing};
 
 /// Every check the suite has: a store that passes them all passes each of them.
-const ALL: [&str; 11] = [
+const ALL: [&str; 12] = [
     "claim_complete_replay",
     "in_flight_and_mismatch",
     "scopes_are_independent",
@@ -20,6 +20,7 @@ const ALL: [&str; 11] = [
     "completed_record_expires_after_its_ttl",
     "tokens_are_never_reused",
     "purge_removes_expired_records",
+    "watch_wakes_on_complete_and_release",
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -33,8 +34,8 @@ async fn the_memory_store_conforms() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_postgres_store_conforms() {
     let schema = PgSchema::new().await;
-    let first = schema.store().await;
-    let second = PostgresStore::new(schema.pool(8).await);
+    let first = schema.store().await.with_notifications(true);
+    let second = PostgresStore::new(schema.pool(8).await).with_notifications(true);
     let passed = testing::check_all(first, second).await.unwrap();
     assert_eq!(passed, ALL);
     schema.drop_schema().await;
@@ -44,9 +45,11 @@ async fn the_postgres_store_conforms() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_postgres_store_with_prepared_statements_conforms() {
     let schema = PgSchema::new().await;
-    let first = PostgresStore::new(schema.direct_pool(8).await).with_prepared_statements(true);
+    let first = PostgresStore::new(schema.direct_pool(8).await)
+        .with_prepared_statements(true)
+        .with_notifications(true);
     first.migrate().await.unwrap();
-    let second = schema.store().await;
+    let second = schema.store().await.with_notifications(true);
     let passed = testing::check_all(first, second).await.unwrap();
     assert_eq!(passed, ALL);
     schema.drop_schema().await;
