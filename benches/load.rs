@@ -228,6 +228,30 @@ const SCENARIOS: &[Scenario] = &[
         target: 0.8,
         build: |ctx| Box::pin(build_pg_tx(ctx, TxSide::ByHand { claim: false })),
     },
+    Scenario {
+        name: "memory-new-wait",
+        layer_side: "as memory-new, with_wait_for_completion(10 s) (no duplicates: what turning \
+                     waiting on costs every first request)",
+        baseline: "the layer as memory-new (waiting off)",
+        target: 0.97,
+        build: |ctx| Box::pin(build_memory_new_wait(ctx)),
+    },
+    Scenario {
+        name: "pg-plain-new-notify",
+        layer_side: "as pg-plain-new, with_wait_for_completion(10 s) on a store \
+                     with_notifications(true): each completion also sends NOTIFY",
+        baseline: "the layer as pg-plain-new (no notifications)",
+        target: 0.97,
+        build: |ctx| Box::pin(build_notify(ctx, false)),
+    },
+    Scenario {
+        name: "pg-tx-notify",
+        layer_side: "as pg-tx, with_wait_for_completion(10 s) on a store with_notifications(true): \
+                     each commit also sends NOTIFY",
+        baseline: "the layer as pg-tx (no notifications)",
+        target: 0.97,
+        build: |ctx| Box::pin(build_notify(ctx, true)),
+    },
 ];
 
 /// What a scenario's build returns.
@@ -359,6 +383,72 @@ async fn build_memory_new(_ctx: &Ctx) -> Result<Built, BoxError> {
         expect: StatusCode::CREATED,
         schema: None,
         fresh: Some(memory_routers),
+    })
+}
+
+// --- memory-new-wait, pg-plain-new-notify, pg-tx-notify ----------------------------------
+
+/// How long duplicates may wait in the `*-wait` / `*-notify` scenarios (none arrive: every
+/// key is new; what is measured is the first requests' cost of the setting).
+const WAIT: Duration = Duration::from_secs(10);
+
+fn memory_wait_routers() -> (Router, Router) {
+    let layer = Router::new()
+        .route(PATH, post(create))
+        .layer(IdempotencyLayer::new(MemoryStore::new()).with_wait_for_completion(WAIT));
+    let baseline = Router::new()
+        .route(PATH, post(create))
+        .layer(IdempotencyLayer::new(MemoryStore::new()));
+    (layer, baseline)
+}
+
+async fn build_memory_new_wait(_ctx: &Ctx) -> Result<Built, BoxError> {
+    let (layer, baseline) = memory_wait_routers();
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::New,
+        expect: StatusCode::CREATED,
+        schema: None,
+        fresh: Some(memory_wait_routers),
+    })
+}
+
+/// The layer with notifications and waiting on, against the same layer without, on one
+/// schema (plain mode, or transactional with `pg-tx`'s handler).
+async fn build_notify(ctx: &Ctx, transactional: bool) -> Result<Built, BoxError> {
+    let mut schema = PgSchema::new(ctx.args.pool).await?;
+    let plain = PostgresStore::new(schema.pool.clone());
+    plain.migrate().await?;
+    let notifying = plain.clone().with_notifications(true);
+    let (layer, baseline) = if transactional {
+        sqlx::query(PAYMENTS_DDL).execute(&schema.pool).await?;
+        schema.tables.push("payments");
+        (
+            Router::new().route(PATH, post(pay_in_layer_tx)).layer(
+                IdempotencyLayer::new(notifying.transactional()).with_wait_for_completion(WAIT),
+            ),
+            Router::new()
+                .route(PATH, post(pay_in_layer_tx))
+                .layer(IdempotencyLayer::new(plain.transactional())),
+        )
+    } else {
+        (
+            Router::new()
+                .route(PATH, post(create))
+                .layer(IdempotencyLayer::new(notifying).with_wait_for_completion(WAIT)),
+            Router::new()
+                .route(PATH, post(create))
+                .layer(IdempotencyLayer::new(plain)),
+        )
+    };
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::New,
+        expect: StatusCode::CREATED,
+        schema: Some(schema),
+        fresh: None,
     })
 }
 
