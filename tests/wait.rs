@@ -381,6 +381,24 @@ mod postgres {
         schema.drop_schema().await;
     }
 
+    /// A listener that cannot connect (a pooler that refuses `LISTEN`, a wrong address):
+    /// waiters fall back to claiming again at intervals, and still get the first's answer.
+    #[tokio::test]
+    async fn without_a_listener_waiters_poll_and_still_get_the_answer() {
+        let schema = PgSchema::new().await;
+        let (a, _) = instances(&schema).await;
+        let nowhere = sqlx::postgres::PgConnectOptions::new()
+            .host("127.0.0.1")
+            .port(1);
+        let b = PostgresStore::new(schema.pool(4).await).with_listener_options(nowhere);
+        let key = IdempotencyKey::parse("nobody-listens").unwrap();
+        assert!(b.watch("", &key).await.unwrap().is_none());
+        duplicates_get_the_first_answer(a.clone(), b.clone(), 3).await;
+        a.pool().close().await;
+        b.pool().close().await;
+        schema.drop_schema().await;
+    }
+
     /// Twenty duplicates wait on an instance whose pool has two connections: none of them
     /// holds one while it waits.
     #[tokio::test]

@@ -17,6 +17,10 @@ pub(crate) const CHANNEL: &str = "tower_idempotency";
 /// How long the listener rests after it failed to connect or lost its connection.
 const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 
+/// How long a waiter waits for the listener to listen (the first waiter of a process, while
+/// it connects) before it polls instead.
+const READY_WAIT: Duration = Duration::from_secs(1);
+
 /// The wake-ups of one store (shared by its clones).
 pub(crate) struct PgNotifier {
     keys: KeyNotifier,
@@ -39,17 +43,12 @@ impl PgNotifier {
         }
     }
 
-    /// Subscribes to the key's changes once the listener listens; `None` when it cannot
-    /// within `bound` (the waiter then polls) or there is no runtime to run it in.
-    pub(crate) async fn watch(
-        &self,
-        scope: &str,
-        key: &IdempotencyKey,
-        bound: Duration,
-    ) -> Option<KeyWatch> {
+    /// Subscribes to the key's changes once the listener listens; `None` when it does not
+    /// within a second (the waiter then polls) or there is no runtime to run it in.
+    pub(crate) async fn watch(&self, scope: &str, key: &IdempotencyKey) -> Option<KeyWatch> {
         self.start()?;
         let mut listening = self.listening.subscribe();
-        match tokio::time::timeout(bound, listening.wait_for(|on| *on)).await {
+        match tokio::time::timeout(READY_WAIT, listening.wait_for(|on| *on)).await {
             Ok(Ok(_)) => Some(self.keys.watch(scope, key)),
             _ => None,
         }
@@ -96,27 +95,34 @@ async fn listen(options: PgConnectOptions, keys: KeyNotifier, listening: Arc<wat
         .max_lifetime(None)
         .idle_timeout(None)
         .connect_lazy_with(options);
+    // Whether the last attempt failed too: an outage is logged as a warning once.
+    let mut failing = false;
     loop {
-        let mut listener = match PgListener::connect_with(&pool).await {
+        let listener = match PgListener::connect_with(&pool).await {
+            Ok(mut listener) => listener.listen(CHANNEL).await.map(|()| listener),
+            Err(err) => Err(err),
+        };
+        let mut listener = match listener {
             Ok(listener) => listener,
             Err(err) => {
-                tracing::warn!(
-                    error = &err as &dyn std::error::Error,
-                    "idempotency: cannot connect to listen for finished keys; waiting \
-                     duplicates poll meanwhile"
-                );
+                if failing {
+                    tracing::debug!(
+                        error = &err as &dyn std::error::Error,
+                        "idempotency: still cannot listen for finished keys"
+                    );
+                } else {
+                    tracing::warn!(
+                        error = &err as &dyn std::error::Error,
+                        "idempotency: cannot listen for finished keys; waiting duplicates \
+                         poll meanwhile"
+                    );
+                }
+                failing = true;
                 tokio::time::sleep(RECONNECT_PAUSE).await;
                 continue;
             }
         };
-        if let Err(err) = listener.listen(CHANNEL).await {
-            tracing::warn!(
-                error = &err as &dyn std::error::Error,
-                "idempotency: LISTEN failed; waiting duplicates poll meanwhile"
-            );
-            tokio::time::sleep(RECONNECT_PAUSE).await;
-            continue;
-        }
+        failing = false;
         listening.send_replace(true);
         // Whatever changed before this point was not heard: every waiter claims again.
         keys.notify_all();

@@ -851,7 +851,7 @@ impl Store for PostgresStore {
         key: &IdempotencyKey,
     ) -> Result<Option<KeyWatch>, StoreError> {
         Ok(match &self.notifier {
-            Some(notifier) => notifier.watch(scope, key, self.statement_timeout).await,
+            Some(notifier) => notifier.watch(scope, key).await,
             None => None,
         })
     }
