@@ -118,7 +118,7 @@ use crate::service::{
     render, store_call, to_store,
 };
 use crate::store::PostgresStore;
-use crate::store::listen::CHANNEL;
+use crate::store::listen::push_notify;
 use crate::store::postgres::{
     db_error, decode_response, is_serialization_failure, millis, status_column,
 };
@@ -269,9 +269,9 @@ impl OpenTx {
             let conn = self.conn()?;
             match notify {
                 None => sqlx::raw_sql("ROLLBACK").execute(conn).await?,
-                Some(payload) => {
-                    // The payload is a number: nothing to escape.
-                    let sql = format!("ROLLBACK; SELECT pg_notify('{CHANNEL}', '{payload}')");
+                Some(hash) => {
+                    let mut sql = String::from("ROLLBACK; ");
+                    push_notify(&mut sql, hash);
                     sqlx::raw_sql(AssertSqlSafe(sql)).execute(conn).await?
                 }
             };
@@ -507,12 +507,9 @@ fn completion_batch(
     }
     sql.push_str("); ");
     // Delivered when the transaction commits: wakes the key's waiters.
-    if let Some(payload) = notify {
-        sql.push_str("SELECT pg_notify('");
-        sql.push_str(CHANNEL);
-        sql.push_str("', '");
-        sql.push_str(&payload.to_string());
-        sql.push_str("'); ");
+    if let Some(hash) = notify {
+        push_notify(&mut sql, hash);
+        sql.push_str("; ");
     }
     sql.push_str("COMMIT");
     Ok(sql)
@@ -832,7 +829,10 @@ mod tests {
              SET LOCAL lock_timeout = 1000; SELECT "
         ));
         // The wake-up goes in the transaction, before its COMMIT.
-        assert!(again.ends_with("; SELECT pg_notify('tower_idempotency', '42'); COMMIT"));
+        assert!(again.ends_with(
+            "; SELECT pg_notify('tower_idempotency', w.hash::text) FROM tower_idempotency_waiting \
+             AS w WHERE w.hash = 42 AND w.until > now(); COMMIT"
+        ));
     }
 
     #[test]

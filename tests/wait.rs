@@ -320,6 +320,49 @@ mod postgres {
         schema.drop_schema().await;
     }
 
+    /// A key nobody waits for is completed and released without a NOTIFY (which would
+    /// serialize commits); a key someone waits for gets one.
+    #[tokio::test]
+    async fn only_keys_waited_for_are_notified() {
+        let schema = PgSchema::new().await;
+        let (a, b) = instances(&schema).await;
+        let mut spy = sqlx::postgres::PgListener::connect_with(&schema.pool(1).await)
+            .await
+            .unwrap();
+        spy.listen("tower_idempotency").await.unwrap();
+        let answer = StoredResponse::new(StatusCode::OK, Default::default(), "x".into());
+        let ttl = Duration::from_secs(60);
+        for waited in [false, true] {
+            let key = IdempotencyKey::parse(&format!("w{waited}")).unwrap();
+            let ClaimOutcome::Acquired { token, .. } = a.claim(claim(&key)).await.unwrap() else {
+                panic!("not acquired")
+            };
+            let watch = if waited {
+                b.watch("", &key).await.unwrap()
+            } else {
+                None
+            };
+            assert!(a.complete("", &key, token, &answer, ttl).await.unwrap());
+            // Other tests share the database (and so the channel): listen for this key's hash.
+            let payload = tower_idempotency::store::KeyNotifier::key_hash("", &key)
+                .cast_signed()
+                .to_string();
+            let heard = tokio::time::timeout(Duration::from_millis(500), async {
+                loop {
+                    if spy.recv().await.unwrap().payload() == payload {
+                        return;
+                    }
+                }
+            })
+            .await;
+            assert_eq!(heard.is_ok(), waited, "waited for: {waited}");
+            drop(watch);
+        }
+        a.pool().close().await;
+        b.pool().close().await;
+        schema.drop_schema().await;
+    }
+
     #[tokio::test]
     async fn without_notifications_there_is_no_watch() {
         let schema = PgSchema::new().await;

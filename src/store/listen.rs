@@ -1,10 +1,15 @@
-//! Wake-ups across processes for [`PostgresStore`](super::PostgresStore): completions and
-//! releases send `NOTIFY tower_idempotency, '<key hash>'`, and one listening connection per
-//! store (not taken from the application's pool) wakes the waiting duplicates of its process.
+//! Wake-ups across processes for [`PostgresStore`](super::PostgresStore).
+//!
+//! A waiting duplicate registers its key's hash in `tower_idempotency_waiting` (migration 7)
+//! for a while. Completions, releases and rollbacks look the hash up in their own transaction
+//! and send `NOTIFY tower_idempotency, '<key hash>'` only when it is there (delivered when
+//! they commit). One listening connection per store (not taken from the application's pool)
+//! wakes the waiting duplicates of its process.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use tokio::sync::watch;
 
@@ -16,6 +21,34 @@ pub(crate) const CHANNEL: &str = "tower_idempotency";
 
 /// How long the listener rests after it failed to connect or lost its connection.
 const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
+
+/// How long a registration in `tower_idempotency_waiting` lasts. A waiter registers again each
+/// time it goes back to sleep (at least once a second), so this only has to outlast a sleep;
+/// rows past it are left to the purge.
+const REGISTRATION: Duration = Duration::from_secs(60);
+
+/// Appends the statement that wakes the waiters of the key whose hash is `hash`: a `NOTIFY`
+/// (through `pg_notify`) only when a waiter registered it. Sent in the transaction of the
+/// change, so it is delivered when that commits.
+pub(crate) fn push_notify(sql: &mut String, hash: u64) {
+    sql.push_str("SELECT pg_notify('");
+    sql.push_str(CHANNEL);
+    sql.push_str("', w.hash::text) FROM tower_idempotency_waiting AS w WHERE w.hash = ");
+    sql.push_str(&hash.cast_signed().to_string());
+    sql.push_str(" AND w.until > now()");
+}
+
+/// [`push_notify`]'s statement, prepared (`$1`: the hash as `bigint`).
+pub(crate) const NOTIFY_PREPARED: &str = "SELECT pg_notify('tower_idempotency', w.hash::text) \
+     FROM tower_idempotency_waiting AS w WHERE w.hash = $1 AND w.until > now()";
+
+/// Registers a waiter for the key whose hash is `hash` (`$1`), for `$2` milliseconds.
+const REGISTER: &str = "INSERT INTO tower_idempotency_waiting AS w (hash, until) \
+     VALUES ($1, now() + $2::float8 * interval '1 millisecond') \
+     ON CONFLICT (hash) DO UPDATE SET until = greatest(w.until, excluded.until)";
+
+/// Deletes the registrations past their time.
+pub(crate) const PURGE_WAITING: &str = "DELETE FROM tower_idempotency_waiting WHERE until <= now()";
 
 /// How long a waiter waits for the listener to listen (the first waiter of a process, while
 /// it connects) before it polls instead.
@@ -43,15 +76,37 @@ impl PgNotifier {
         }
     }
 
-    /// Subscribes to the key's changes once the listener listens; `None` when it does not
-    /// within a second (the waiter then polls) or there is no runtime to run it in.
-    pub(crate) async fn watch(&self, scope: &str, key: &IdempotencyKey) -> Option<KeyWatch> {
-        self.start()?;
-        let mut listening = self.listening.subscribe();
-        match tokio::time::timeout(READY_WAIT, listening.wait_for(|on| *on)).await {
-            Ok(Ok(_)) => Some(self.keys.watch(scope, key)),
-            _ => None,
+    /// Subscribes to the key's changes once the listener listens, and registers the key as
+    /// waited for; `None` when the listener does not listen within a second (the waiter then
+    /// polls) or there is no runtime to run it in.
+    pub(crate) async fn watch(
+        &self,
+        pool: &PgPool,
+        scope: &str,
+        key: &IdempotencyKey,
+    ) -> Result<Option<KeyWatch>, sqlx::Error> {
+        if self.start().is_none() {
+            return Ok(None);
         }
+        let mut listening = self.listening.subscribe();
+        if !matches!(
+            tokio::time::timeout(READY_WAIT, listening.wait_for(|on| *on)).await,
+            Ok(Ok(_))
+        ) {
+            return Ok(None);
+        }
+        let hash = KeyNotifier::key_hash(scope, key);
+        // Watching before registering: a change notified once the registration is visible
+        // reaches this watch.
+        let watch = self.keys.watch_hash(hash);
+        // Unprepared, in its own implicit transaction: safe behind a pooler.
+        sqlx::query(REGISTER)
+            .persistent(false)
+            .bind(hash.cast_signed())
+            .bind(REGISTRATION.as_secs_f64() * 1000.0)
+            .execute(pool)
+            .await?;
+        Ok(Some(watch))
     }
 
     /// Starts the listener task if it is not running.
@@ -129,8 +184,9 @@ async fn listen(options: PgConnectOptions, keys: KeyNotifier, listening: Arc<wat
         loop {
             match listener.try_recv().await {
                 Ok(Some(notification)) => {
-                    if let Ok(hash) = notification.payload().parse::<u64>() {
-                        keys.notify_hash(hash);
+                    // The payload is the hash as Postgres' `bigint` prints it.
+                    if let Ok(hash) = notification.payload().parse::<i64>() {
+                        keys.notify_hash(hash.cast_unsigned());
                     }
                 }
                 // The connection was lost and made again (listening again): what was sent

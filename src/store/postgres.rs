@@ -8,7 +8,7 @@ use std::sync::Arc;
 use sqlx::postgres::{PgConnectOptions, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
-use super::listen::{CHANNEL, PgNotifier};
+use super::listen::{NOTIFY_PREPARED, PURGE_WAITING, PgNotifier, push_notify};
 use super::sql::{Lit, append, push_bounds};
 use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store};
 use crate::error::StoreError;
@@ -46,6 +46,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         6,
         "plain mode's statements as functions",
         include_str!("../../migrations/0006_plain_functions.sql"),
+    ),
+    (
+        7,
+        "the keys duplicates wait for",
+        include_str!("../../migrations/0007_waiting.sql"),
     ),
 ];
 
@@ -270,13 +275,10 @@ impl PostgresStore {
         push_bounds(&mut sql, self.statement_timeout, Duration::ZERO);
         append(&mut sql, template, args)?;
         // After the statement (whose row stays the first), in its transaction: delivered only
-        // if it commits. The payload is a number.
-        if let Some(payload) = notify {
-            sql.push_str("; SELECT pg_notify('");
-            sql.push_str(CHANNEL);
-            sql.push_str("', '");
-            sql.push_str(&payload.to_string());
-            sql.push_str("')");
+        // if it commits, and only when a duplicate waits for the key.
+        if let Some(hash) = notify {
+            sql.push_str("; ");
+            push_notify(&mut sql, hash);
         }
         Ok(sql)
     }
@@ -311,10 +313,9 @@ impl PostgresStore {
             let rows = query.fetch_all(&self.pool).await;
             // Prepared statements go alone: the notification follows in its own statement
             // (lost if this fails: the waiters' rechecks cover it).
-            if let (Ok(_), Some(payload)) = (&rows, notify)
-                && let Err(err) = sqlx::query("SELECT pg_notify($1, $2)")
-                    .bind(CHANNEL)
-                    .bind(payload.to_string())
+            if let (Ok(_), Some(hash)) = (&rows, notify)
+                && let Err(err) = sqlx::query(NOTIFY_PREPARED)
+                    .bind(hash.cast_signed())
                     .execute(&self.pool)
                     .await
             {
@@ -850,14 +851,19 @@ impl Store for PostgresStore {
         scope: &str,
         key: &IdempotencyKey,
     ) -> Result<Option<KeyWatch>, StoreError> {
-        Ok(match &self.notifier {
-            Some(notifier) => notifier.watch(scope, key).await,
-            None => None,
-        })
+        match &self.notifier {
+            Some(notifier) => notifier
+                .watch(&self.pool, scope, key)
+                .await
+                .map_err(|e| self.error(e)),
+            None => Ok(None),
+        }
     }
 
     async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {
         let batch = i64::try_from(batch_size.max(1)).unwrap_or(i64::MAX);
+        // The waiting duplicates' registrations past their time (few: one per key waited for).
+        self.execute(PURGE_WAITING, &[]).await?;
         let mut deleted = 0;
         loop {
             let started = std::time::Instant::now();
