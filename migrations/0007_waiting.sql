@@ -11,3 +11,68 @@ CREATE TABLE tower_idempotency_waiting (
     hash  bigint      PRIMARY KEY,
     until timestamptz NOT NULL
 );
+
+-- Wakes the waiters of the key whose hash is `p_hash` (NULL: nobody asked): a NOTIFY when a
+-- waiter registered the hash, nothing otherwise.
+CREATE FUNCTION tower_idempotency_wake(p_hash bigint)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    IF p_hash IS NOT NULL AND EXISTS (
+        SELECT 1 FROM tower_idempotency_waiting WHERE hash = p_hash AND until > now())
+    THEN
+        PERFORM pg_notify('tower_idempotency', p_hash::text);
+    END IF;
+END
+$$;
+
+-- Plain mode's completion and release (migration 6) that also wake the key's waiters.
+CREATE FUNCTION tower_idempotency_plain_complete(
+    p_scope text, p_key text, p_token bigint, p_ttl_ms bigint, p_status smallint,
+    p_headers bytea, p_body bytea, p_lock_ms bigint, p_wake bigint)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    changed bigint;
+BEGIN
+    changed := tower_idempotency_plain_complete(
+        p_scope, p_key, p_token, p_ttl_ms, p_status, p_headers, p_body, p_lock_ms);
+    IF changed > 0 THEN
+        PERFORM tower_idempotency_wake(p_wake);
+    END IF;
+    RETURN changed;
+END
+$$;
+
+CREATE FUNCTION tower_idempotency_plain_release(
+    p_scope text, p_key text, p_token bigint, p_lock_ms bigint, p_wake bigint)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    changed bigint;
+BEGIN
+    changed := tower_idempotency_plain_release(p_scope, p_key, p_token, p_lock_ms);
+    IF changed > 0 THEN
+        PERFORM tower_idempotency_wake(p_wake);
+    END IF;
+    RETURN changed;
+END
+$$;
+
+-- Transactional mode's completion (migration 5) that also wakes the key's waiters (the
+-- NOTIFY is delivered when the request's transaction commits).
+CREATE FUNCTION tower_idempotency_complete_tx(
+    p_record text, p_scope text, p_key text, p_ttl_ms bigint,
+    p_status smallint, p_headers bytea, p_body bytea, p_wake bigint)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    PERFORM tower_idempotency_complete_tx(
+        p_record, p_scope, p_key, p_ttl_ms, p_status, p_headers, p_body);
+    PERFORM tower_idempotency_wake(p_wake);
+END
+$$;

@@ -27,20 +27,12 @@ const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 /// rows past it are left to the purge.
 const REGISTRATION: Duration = Duration::from_secs(60);
 
-/// Appends the statement that wakes the waiters of the key whose hash is `hash`: a `NOTIFY`
-/// (through `pg_notify`) only when a waiter registered it. Sent in the transaction of the
-/// change, so it is delivered when that commits.
-pub(crate) fn push_notify(sql: &mut String, hash: u64) {
-    sql.push_str("SELECT pg_notify('");
-    sql.push_str(CHANNEL);
-    sql.push_str("', w.hash::text) FROM tower_idempotency_waiting AS w WHERE w.hash = ");
-    sql.push_str(&hash.cast_signed().to_string());
-    sql.push_str(" AND w.until > now()");
+/// The statement that wakes the waiters of a key (migration 7): a `NOTIFY` only when a
+/// waiter registered the key's hash. Sent in the transaction of the change, so it is
+/// delivered when that commits.
+pub(crate) fn wake_statement(hash: i64) -> String {
+    format!("SELECT tower_idempotency_wake({hash})")
 }
-
-/// [`push_notify`]'s statement, prepared (`$1`: the hash as `bigint`).
-pub(crate) const NOTIFY_PREPARED: &str = "SELECT pg_notify('tower_idempotency', w.hash::text) \
-     FROM tower_idempotency_waiting AS w WHERE w.hash = $1 AND w.until > now()";
 
 /// Registers a waiter for the key whose hash is `hash` (`$1`), for `$2` milliseconds.
 const REGISTER: &str = "INSERT INTO tower_idempotency_waiting AS w (hash, until) \

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use sqlx::postgres::{PgConnectOptions, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
-use super::listen::{NOTIFY_PREPARED, PURGE_WAITING, PgNotifier, push_notify};
+use super::listen::{PURGE_WAITING, PgNotifier};
 use super::sql::{Lit, append, push_bounds};
 use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store};
 use crate::error::StoreError;
@@ -206,10 +206,10 @@ impl PostgresStore {
 
     /// The payload of the notification of a change of (scope, key), when notifications are
     /// on.
-    pub(crate) fn notification(&self, scope: &str, key: &IdempotencyKey) -> Option<u64> {
+    pub(crate) fn notification(&self, scope: &str, key: &IdempotencyKey) -> Option<i64> {
         self.notifier
             .as_ref()
-            .map(|_| KeyNotifier::key_hash(scope, key))
+            .map(|_| KeyNotifier::key_hash(scope, key).cast_signed())
     }
 
     /// Whether plain mode's statements are sent as prepared statements (default `false`).
@@ -261,12 +261,7 @@ impl PostgresStore {
 
     /// The statement text of `template` with its arguments written in, after the store's
     /// bounds: one message, sent over the simple query protocol (see [`super::sql`]).
-    fn statement(
-        &self,
-        template: &str,
-        args: &[Lit<'_>],
-        notify: Option<u64>,
-    ) -> Result<String, StoreError> {
+    fn statement(&self, template: &str, args: &[Lit<'_>]) -> Result<String, StoreError> {
         let hint: usize = args.iter().map(Lit::len_hint).sum();
         let mut sql = String::with_capacity(128 + template.len() + hint);
         sql.push_str("SET LOCAL transaction_isolation = 'read committed'; ");
@@ -274,12 +269,6 @@ impl PostgresStore {
         // statement, waits for no lock (`SKIP LOCKED`).
         push_bounds(&mut sql, self.statement_timeout, Duration::ZERO);
         append(&mut sql, template, args)?;
-        // After the statement (whose row stays the first), in its transaction: delivered only
-        // if it commits, and only when a duplicate waits for the key.
-        if let Some(hash) = notify {
-            sql.push_str("; ");
-            push_notify(&mut sql, hash);
-        }
         Ok(sql)
     }
 
@@ -288,17 +277,6 @@ impl PostgresStore {
         &self,
         template: &'static str,
         args: &[Lit<'_>],
-    ) -> Result<Vec<PgRow>, StoreError> {
-        self.rows_notifying(template, args, None).await
-    }
-
-    /// [`rows`](Self::rows), also notifying `notify` (a key hash) on the store's channel when
-    /// the statement commits; the notification's row follows the statement's.
-    async fn rows_notifying(
-        &self,
-        template: &'static str,
-        args: &[Lit<'_>],
-        notify: Option<u64>,
     ) -> Result<Vec<PgRow>, StoreError> {
         let rows = if self.prepared {
             let mut query = sqlx::query(template);
@@ -310,23 +288,9 @@ impl PostgresStore {
                     Lit::Int(n) => query.bind(n),
                 };
             }
-            let rows = query.fetch_all(&self.pool).await;
-            // Prepared statements go alone: the notification follows in its own statement
-            // (lost if this fails: the waiters' rechecks cover it).
-            if let (Ok(_), Some(hash)) = (&rows, notify)
-                && let Err(err) = sqlx::query(NOTIFY_PREPARED)
-                    .bind(hash.cast_signed())
-                    .execute(&self.pool)
-                    .await
-            {
-                tracing::debug!(
-                    error = &err as &dyn std::error::Error,
-                    "idempotency: NOTIFY failed"
-                );
-            }
-            rows
+            query.fetch_all(&self.pool).await
         } else {
-            let sql = self.statement(template, args, notify)?;
+            let sql = self.statement(template, args)?;
             sqlx::raw_sql(AssertSqlSafe(sql))
                 .fetch_all(&self.pool)
                 .await
@@ -336,7 +300,7 @@ impl PostgresStore {
 
     /// Runs `template` and returns the rows it changed.
     async fn execute(&self, template: &str, args: &[Lit<'_>]) -> Result<u64, StoreError> {
-        let sql = self.statement(template, args, None)?;
+        let sql = self.statement(template, args)?;
         sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&self.pool)
             .await
@@ -410,11 +374,10 @@ impl PostgresStore {
         &self,
         template: &'static str,
         args: &[Lit<'_>],
-        notify: Option<u64>,
     ) -> Result<u64, StoreError> {
         let mut attempts = 1;
         loop {
-            match self.rows_notifying(template, args, notify).await {
+            match self.rows(template, args).await {
                 Ok(rows) => {
                     let changed = match rows.first() {
                         Some(row) => row.try_get::<i64, _>("changed")?,
@@ -651,8 +614,15 @@ const TAKEOVER: &str =
 const COMPLETE: &str = "SELECT tower_idempotency_plain_complete(\
      $1, $2, $3, $4, $5::smallint, $6, $7, $8) AS changed";
 
+/// [`COMPLETE`], also waking the key's waiters: `$9` the key's hash (migration 7).
+const COMPLETE_WAKE: &str = "SELECT tower_idempotency_plain_complete(\
+     $1, $2, $3, $4, $5::smallint, $6, $7, $8, $9) AS changed";
+
 /// Deletes the record while `$3` (the token) holds it; `$4` lock timeout (ms).
 const RELEASE: &str = "SELECT tower_idempotency_plain_release($1, $2, $3, $4) AS changed";
+
+/// [`RELEASE`], also waking the key's waiters: `$5` the key's hash (migration 7).
+const RELEASE_WAKE: &str = "SELECT tower_idempotency_plain_release($1, $2, $3, $4, $5) AS changed";
 
 /// Extends the lease `$3` (the token) holds by `$4` ms; `$5` lock timeout (ms).
 const RENEW: &str = "SELECT tower_idempotency_plain_renew($1, $2, $3, $4, $5) AS changed";
@@ -803,11 +773,12 @@ impl Store for PostgresStore {
             Lit::Bytes(&headers),
             Lit::MaybeBytes(response.body().map(|b| &b[..])),
             Lit::Int(millis(self.lock_timeout)),
+            Lit::Int(self.notification(scope, key).unwrap_or_default()),
         ];
-        let notify = self.notification(scope, key);
-        let done = self
-            .execute_token_statement(COMPLETE, &args, notify)
-            .await?;
+        let done = match self.notifier {
+            Some(_) => self.execute_token_statement(COMPLETE_WAKE, &args).await?,
+            None => self.execute_token_statement(COMPLETE, &args[..8]).await?,
+        };
         Ok(done == 1)
     }
 
@@ -822,9 +793,12 @@ impl Store for PostgresStore {
             Lit::Text(key.as_str()),
             Lit::Int(token.into_raw()),
             Lit::Int(millis(self.lock_timeout)),
+            Lit::Int(self.notification(scope, key).unwrap_or_default()),
         ];
-        let notify = self.notification(scope, key);
-        let done = self.execute_token_statement(RELEASE, &args, notify).await?;
+        let done = match self.notifier {
+            Some(_) => self.execute_token_statement(RELEASE_WAKE, &args).await?,
+            None => self.execute_token_statement(RELEASE, &args[..4]).await?,
+        };
         Ok(done == 1)
     }
 
@@ -842,7 +816,7 @@ impl Store for PostgresStore {
             Lit::Int(millis(lease)),
             Lit::Int(millis(self.lock_timeout)),
         ];
-        let done = self.execute_token_statement(RENEW, &args, None).await?;
+        let done = self.execute_token_statement(RENEW, &args).await?;
         Ok(done == 1)
     }
 
