@@ -52,7 +52,7 @@
 //! | `IDEMPOTENCY_LEASE_MS` | `30000` | how long a claim holds a key ([`IdempotencyLayer::with_lease`]); in memory only: in Postgres a claim lasts as long as its transaction |
 //! | `IDEMPOTENCY_STORE_TIMEOUT_MS` | `5000` | the longest one store call may take ([`IdempotencyLayer::with_store_timeout`]; in Postgres also the store's own `statement_timeout`): a store that does not answer in time is answered `503` with `Retry-After` |
 //! | `CHARGE_DELAY_MS` | `0` | how long the provider takes for each new charge |
-//! | `IDEMPOTENCY_WAIT_MS` | `0` | > 0: a duplicate of a request still running waits up to this long for its answer and gets it as a replay ([`IdempotencyLayer::with_wait_for_completion`]; in Postgres woken by `LISTEN/NOTIFY`, [`PostgresStore::with_notifications`]); then `409` as with `0` |
+//! | `IDEMPOTENCY_WAIT_MS` | `0` | > 0: a duplicate of a request still running waits up to this long for its answer and gets it as a replay ([`IdempotencyLayer::with_wait_for_completion`]; in Postgres woken by `LISTEN/NOTIFY`, see [`PostgresStore::with_notifications`]); then `409` as with `0` |
 //! | `MAX_BODY_BYTES` | `1048576` | larger request bodies are answered `413` |
 //! | `IDEMPOTENCY` | `on` | `off`: the same routes without the layer (a baseline for benchmarks) |
 //!
@@ -256,11 +256,10 @@ async fn serve(config: Config) -> Result<(), BoxError> {
     // Expired keys are never replayed, but they take space until deleted: purge them.
     let (router, purge) = match storage.pools() {
         Some((payments, provider)) if config.idempotency => {
-            // Waiting duplicates are woken by NOTIFY from whichever instance finishes a key.
-            let waits = !config.wait.is_zero();
-            let store = PostgresStore::new(payments.clone())
-                .with_statement_timeout(config.store_timeout)
-                .with_notifications(waits);
+            // Waiting duplicates (IDEMPOTENCY_WAIT_MS) are woken by a NOTIFY from whichever
+            // instance finishes their key: the store's default.
+            let store =
+                PostgresStore::new(payments.clone()).with_statement_timeout(config.store_timeout);
             store
                 .migrate()
                 .await
@@ -270,7 +269,6 @@ async fn serve(config: Config) -> Result<(), BoxError> {
             // Transactional mode: each layer opens its transactions on its service's pool.
             let provider_store = PostgresStore::new(provider.clone())
                 .with_statement_timeout(config.store_timeout)
-                .with_notifications(waits)
                 .transactional();
             let router = app(&config, &storage, store.transactional(), provider_store);
             (router, purge)

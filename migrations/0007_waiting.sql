@@ -63,7 +63,8 @@ END
 $$;
 
 -- Transactional mode's completion (migration 5) that also wakes the key's waiters (the
--- NOTIFY is delivered when the request's transaction commits).
+-- NOTIFY is delivered when the request's transaction commits). Its body is migration 5's,
+-- not a call of it: this runs once per request.
 CREATE FUNCTION tower_idempotency_complete_tx(
     p_record text, p_scope text, p_key text, p_ttl_ms bigint,
     p_status smallint, p_headers bytea, p_body bytea, p_wake bigint)
@@ -71,8 +72,19 @@ RETURNS void
 LANGUAGE plpgsql
 AS $$
 BEGIN
-    PERFORM tower_idempotency_complete_tx(
-        p_record, p_scope, p_key, p_ttl_ms, p_status, p_headers, p_body);
-    PERFORM tower_idempotency_wake(p_wake);
+    UPDATE tower_idempotency_keys AS k
+       SET lease_token = NULL, lease_expires_at = NULL,
+           completed_at = statement_timestamp(),
+           expires_at = statement_timestamp() + p_ttl_ms::float8 * interval '1 millisecond',
+           response_status = p_status, response_headers = p_headers, response_body = p_body
+     WHERE k.ctid = p_record::tid AND k.scope = p_scope AND k.key = p_key
+       AND k.lease_token = 0;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'tower_idempotency: the claimed record is gone' USING ERRCODE = 'TI003';
+    END IF;
+    IF EXISTS (SELECT 1 FROM tower_idempotency_waiting WHERE hash = p_wake AND until > now())
+    THEN
+        PERFORM pg_notify('tower_idempotency', p_wake::text);
+    END IF;
 END
 $$;

@@ -479,8 +479,8 @@ impl<St> IdempotencyLayer<St> {
     /// key changed ([`Store::watch`](crate::Store::watch)), then claims again.
     /// [`MemoryStore`](crate::MemoryStore) wakes waiters in its process;
     /// [`PostgresStore`](crate::PostgresStore) wakes them in every process sharing the
-    /// database once it is built
-    /// [`with_notifications`](crate::PostgresStore::with_notifications) (`LISTEN/NOTIFY`).
+    /// database (`LISTEN/NOTIFY`; see
+    /// [`with_notifications`](crate::PostgresStore::with_notifications)).
     /// A store that cannot tell makes waiters claim again at growing intervals; every waiter
     /// also claims again at least once a second, which covers a first request whose process
     /// died. Works in plain and transactional mode.

@@ -262,15 +262,16 @@ mod memory {
 mod postgres {
     use super::*;
 
-    /// Two app instances: two pools on one schema, each store with notifications on.
+    /// Two app instances: two pools on one schema, each store with notifications on (the
+    /// default).
     async fn instances(schema: &PgSchema) -> (PostgresStore, PostgresStore) {
-        let a = PostgresStore::new(schema.pool(8).await).with_notifications(true);
+        let a = PostgresStore::new(schema.pool(8).await);
         a.migrate().await.unwrap();
         sqlx::query("CREATE TABLE work (n int)")
             .execute(a.pool())
             .await
             .unwrap();
-        let b = PostgresStore::new(schema.pool(8).await).with_notifications(true);
+        let b = PostgresStore::new(schema.pool(8).await);
         (a, b)
     }
 
@@ -366,7 +367,7 @@ mod postgres {
     #[tokio::test]
     async fn without_notifications_there_is_no_watch() {
         let schema = PgSchema::new().await;
-        let store = schema.store().await;
+        let store = schema.store().await.with_notifications(false);
         let key = IdempotencyKey::parse("k").unwrap();
         assert!(store.watch("", &key).await.unwrap().is_none());
         store.pool().close().await;
@@ -448,7 +449,7 @@ mod postgres {
     async fn waiters_hold_no_pool_connection() {
         let schema = PgSchema::new().await;
         let (a, _) = instances(&schema).await;
-        let b = PostgresStore::new(schema.pool(2).await).with_notifications(true);
+        let b = PostgresStore::new(schema.pool(2).await);
         let h = Gated::new(false);
         let first = send(&waiting(a.clone()), &h, "k");
         until("the first runs", || h.calls() == 1).await;

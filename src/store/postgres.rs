@@ -158,6 +158,7 @@ pub enum ClaimStrategy {
 impl PostgresStore {
     /// A store on `pool`. Run [`migrate`](PostgresStore::migrate) once before use.
     pub fn new(pool: PgPool) -> Self {
+        let notifier = Arc::new(PgNotifier::new(pool.connect_options().as_ref().clone()));
         Self {
             pool,
             strategy: ClaimStrategy::Combined,
@@ -165,34 +166,38 @@ impl PostgresStore {
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             prepared: false,
-            notifier: None,
+            notifier: Some(notifier),
         }
     }
 
     /// Whether completions and releases wake the duplicates waiting for their keys, in
-    /// every process sharing the database (default `false`), for layers built
+    /// every process sharing the database (default `true`), for layers built
     /// [`with_wait_for_completion`](crate::IdempotencyLayer::with_wait_for_completion).
     ///
-    /// Each completion and release then also sends `NOTIFY tower_idempotency, '<hash of the
-    /// key>'` in its own transaction (delivered when that commits), and the store keeps one
-    /// connection of its own (not from the pool, opened by the first waiter) that `LISTEN`s
-    /// and wakes the waiters of its process; a waiter holds no connection while it waits.
-    /// Turn it on in **every** process that shares the keys: a process without it completes
-    /// keys silently, and the waiters elsewhere notice only at their next recheck (within a
-    /// second). Postgres serializes the commits of transactions that notified, so it costs
-    /// some throughput under many concurrent completions: leave it off unless duplicates
-    /// wait (see BENCHMARKS.md).
+    /// A waiting duplicate registers its key's hash in `tower_idempotency_waiting` (migration
+    /// 7) for a minute, and the store keeps one connection of its own (not from the pool,
+    /// opened by the first waiter, never when nobody waits) that `LISTEN`s on
+    /// `tower_idempotency` and wakes the waiters of its process; a waiter holds no connection
+    /// while it waits. Completions, releases and rollbacks look the key's hash up in their
+    /// own transaction and send `NOTIFY` only when someone waits (delivered when they
+    /// commit): a key nobody waits for costs one primary-key probe of that small table
+    /// inside the completion's function, never a `NOTIFY`, which would serialize commits
+    /// (no difference measured: BENCHMARKS.md). With `false`, completions are silent and
+    /// waiters poll: they claim again at growing intervals (20 ms up to 500 ms). A process
+    /// with notifications off completes keys silently, and waiters elsewhere notice only at
+    /// their next recheck (within a second).
     ///
     /// The listening connection goes where the pool's connections go. Behind a pooler in
     /// transaction mode (PgBouncer), `LISTEN` does not work: give it a direct connection
     /// with [`with_listener_options`](Self::with_listener_options). While it cannot listen
     /// (not yet connected, reconnecting), waiters claim again at growing intervals instead.
     pub fn with_notifications(mut self, on: bool) -> Self {
-        self.notifier = on.then(|| {
-            Arc::new(PgNotifier::new(
-                self.pool.connect_options().as_ref().clone(),
-            ))
-        });
+        if !on {
+            self.notifier = None;
+        } else if self.notifier.is_none() {
+            let options = self.pool.connect_options().as_ref().clone();
+            self.notifier = Some(Arc::new(PgNotifier::new(options)));
+        }
         self
     }
 
