@@ -622,3 +622,159 @@ async fn over_a_plain_service_the_key_is_derived_and_the_response_untouched() {
     let body = response.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(&body[..], b"hello");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Metrics
+// ---------------------------------------------------------------------------------------------
+
+/// Counters by `name{label=value,…}`.
+#[cfg(feature = "metrics")]
+#[derive(Default)]
+struct Counters(Mutex<std::collections::HashMap<String, Arc<std::sync::atomic::AtomicU64>>>);
+
+#[cfg(feature = "metrics")]
+struct CounterCell(Arc<std::sync::atomic::AtomicU64>);
+
+#[cfg(feature = "metrics")]
+impl metrics::CounterFn for CounterCell {
+    fn increment(&self, value: u64) {
+        self.0.fetch_add(value, Ordering::SeqCst);
+    }
+    fn absolute(&self, value: u64) {
+        self.0.store(value, Ordering::SeqCst);
+    }
+}
+
+#[cfg(feature = "metrics")]
+impl Counters {
+    fn get(&self, name: &str) -> u64 {
+        self.0
+            .lock()
+            .unwrap()
+            .get(name)
+            .map_or(0, |c| c.load(Ordering::SeqCst))
+    }
+}
+
+#[cfg(feature = "metrics")]
+impl metrics::Recorder for Counters {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        let labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        let name = format!("{}{{{}}}", key.name(), labels.join(","));
+        let cell = self.0.lock().unwrap().entry(name).or_default().clone();
+        metrics::Counter::from_arc(Arc::new(CounterCell(cell)))
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// Attempts, retries by reason and calls by outcome, labelled with the purpose and never
+/// with a key. (A recorder local to this thread, and a runtime on this thread with paused
+/// time: the waits between attempts pass at once.)
+#[cfg(feature = "metrics")]
+#[test]
+fn attempts_retries_and_outcomes_are_counted_without_keys() {
+    let counters = Counters::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&counters, || {
+        runtime.block_on(async {
+            // The inner service answers 503, then 409, then fails, then 200; 503 after that.
+            let calls = Arc::new(AtomicUsize::new(0));
+            let svc = tower::service_fn(move |_: http::Request<ReplayBody>| {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    let status = match n {
+                        0 => 503,
+                        1 => 409,
+                        2 => return Err(std::io::Error::other("connection reset")),
+                        3 => 200,
+                        _ => 503,
+                    };
+                    Ok(http::Response::builder()
+                        .status(status)
+                        .body(Body::empty())
+                        .unwrap())
+                }
+            });
+            let client = layer().with_max_request_body(4).layer(svc.clone());
+            let short = layer().with_max_attempts(2).layer(svc);
+            let request = |body: &'static str| {
+                let mut request = http::Request::post("/charges")
+                    .body(Full::new(Bytes::from_static(body.as_bytes())))
+                    .unwrap();
+                request
+                    .extensions_mut()
+                    .insert(IdempotencyKey::parse("secret-key").unwrap());
+                request
+            };
+            let answered = client.clone().oneshot(request("{}")).await.unwrap();
+            assert_eq!(answered.status(), 200);
+            let too_large = client.clone().oneshot(request("12345")).await;
+            assert!(matches!(too_large, Err(ClientError::BodyTooLarge { .. })));
+            let exhausted = short.oneshot(request("{}")).await;
+            assert_eq!(exhausted.unwrap().status(), 503);
+        });
+    });
+    let count = |name: &str| counters.get(name);
+    assert_eq!(
+        count("tower_idempotency_client_attempts_total{purpose=charge}"),
+        6
+    );
+    for (reason, n) in [("503", 2), ("409", 1), ("error", 1)] {
+        assert_eq!(
+            count(&format!(
+                "tower_idempotency_client_retries_total{{purpose=charge,reason={reason}}}"
+            )),
+            n,
+            "{reason}"
+        );
+    }
+    for outcome in ["answered", "not_sent", "exhausted"] {
+        assert_eq!(
+            count(&format!(
+                "tower_idempotency_client_calls_total{{purpose=charge,outcome={outcome}}}"
+            )),
+            1,
+            "{outcome}"
+        );
+    }
+    for name in counters.0.lock().unwrap().keys() {
+        assert!(!name.contains("secret"), "a key in the metric {name}");
+    }
+}
