@@ -778,3 +778,109 @@ fn attempts_retries_and_outcomes_are_counted_without_keys() {
         assert!(!name.contains("secret"), "a key in the metric {name}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tracing
+// ---------------------------------------------------------------------------------------------
+
+/// `<span>.<field>=<value>` of every span (at creation and when recorded), and
+/// `event.<field>=<value>` of every event.
+#[derive(Clone, Default)]
+struct Traced(Arc<Mutex<Vec<String>>>);
+
+struct Visit<'a>(&'a str, &'a Traced);
+
+impl tracing::field::Visit for Visit<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        let entry = format!("{}.{}={value:?}", self.0, field.name());
+        self.1.0.lock().unwrap().push(entry);
+    }
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        let entry = format!("{}.{}={value}", self.0, field.name());
+        self.1.0.lock().unwrap().push(entry);
+    }
+}
+
+impl<S> tracing_subscriber::Layer<S> for Traced
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        _: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        attrs.record(&mut Visit(attrs.metadata().name(), self));
+    }
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let span = ctx.span(id).unwrap();
+        values.record(&mut Visit(span.name(), self));
+    }
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        event.record(&mut Visit("event", self));
+    }
+}
+
+/// A span per call with its purpose, key and number of attempts; an event per retry with the
+/// attempt's number and reason.
+#[tokio::test(start_paused = true)]
+async fn each_call_is_a_span_and_each_retry_an_event_with_its_number_and_reason() {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    let traced = Traced::default();
+    let subscriber = tracing_subscriber::registry()
+        .with(traced.clone())
+        .with(tracing_subscriber::filter::LevelFilter::DEBUG);
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = tower::service_fn(move |_: http::Request<ReplayBody>| {
+        let n = calls.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let status = [429, 503, 201][n.min(2)];
+            Ok::<_, Infallible>(
+                http::Response::builder()
+                    .status(status)
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+        }
+    });
+    let mut request = http::Request::post("/charges")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    request
+        .extensions_mut()
+        .insert(IdempotencyKey::parse("order-9").unwrap());
+    let response = layer().layer(svc).oneshot(request).await.unwrap();
+    assert_eq!(response.status(), 201);
+
+    let seen = traced.0.lock().unwrap().clone();
+    for expected in [
+        "idempotent_client.purpose=charge",
+        "idempotent_client.key=order-9:charge",
+        "idempotent_client.attempts=3",
+    ] {
+        assert!(
+            seen.iter().any(|s| s == expected),
+            "{expected} in {seen:#?}"
+        );
+    }
+    let retries: Vec<&String> = seen
+        .iter()
+        .filter(|s| s.starts_with("event.reason="))
+        .collect();
+    assert_eq!(
+        retries,
+        ["event.reason=429", "event.reason=503"],
+        "{seen:#?}"
+    );
+    for attempt in ["event.attempt=1", "event.attempt=2", "event.attempt=3"] {
+        assert!(seen.iter().any(|s| s == attempt), "{attempt} in {seen:#?}");
+    }
+}

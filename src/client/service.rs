@@ -88,7 +88,10 @@ where
             key = tracing::field::Empty,
             attempts = tracing::field::Empty,
         );
-        ResponseFuture::new(Box::pin(call(inner, config, req).instrument(span)))
+        // Fields are recorded on this span, never on `Span::current()`: with this span
+        // filtered out, the current one may be the server layer's, which has a `key` too.
+        let future = call(inner, config, req, span.clone()).instrument(span);
+        ResponseFuture::new(Box::pin(future))
     }
 }
 
@@ -158,6 +161,7 @@ async fn call<S, ReqBody, ResBody>(
     mut svc: S,
     config: Arc<ClientConfig>,
     req: Request<ReqBody>,
+    span: tracing::Span,
 ) -> Result<Response<ResBody>, ClientError<S::Error>>
 where
     S: Service<Request<ReplayBody>, Response = Response<ResBody>>,
@@ -167,7 +171,7 @@ where
 {
     let (mut parts, body) = req.into_parts();
     let prepared = match read_body(body, config.max_body).await {
-        Ok(body) => pick_key(&config, &mut parts).map(|()| body),
+        Ok(body) => pick_key(&config, &mut parts, &span).map(|()| body),
         Err(e) => Err(e),
     };
     let body = match prepared {
@@ -216,7 +220,7 @@ where
             Some(Ok(response)) if !retryable(response.status()) => {
                 tracing::debug!(attempt, status = %response.status(), "attempt answered");
                 record_call("answered", &config);
-                tracing::Span::current().record("attempts", attempt);
+                span.record("attempts", attempt);
                 return Ok(response);
             }
             Some(Ok(response)) => (
@@ -236,7 +240,7 @@ where
         let delay = backoff(&config, attempt).max(wait_at_least.unwrap_or_default());
         let remaining = started.map(|s| config.deadline.saturating_sub(s.elapsed()));
         let give_up = attempt >= config.max_attempts || remaining.is_none_or(|r| delay >= r);
-        tracing::Span::current().record("attempts", attempt);
+        span.record("attempts", attempt);
         if give_up {
             tracing::warn!(
                 attempt,
@@ -245,17 +249,17 @@ where
                 "idempotent call gave up: attempts or deadline spent"
             );
             record_call("exhausted", &config);
-            return Err(match failed {
-                Failed::Answer(response) => return Ok(response),
-                Failed::Error(source) => ClientError::Inner {
+            return match failed {
+                Failed::Answer(response) => Ok(response),
+                Failed::Error(source) => Err(ClientError::Inner {
                     source,
                     attempts: attempt,
-                },
-                Failed::TimedOut(after) => ClientError::TimedOut {
+                }),
+                Failed::TimedOut(after) => Err(ClientError::TimedOut {
                     after,
                     attempts: attempt,
-                },
-            });
+                }),
+            };
         }
         drop(failed);
         tracing::debug!(
@@ -281,17 +285,19 @@ where
 fn pick_key<E>(
     config: &ClientConfig,
     parts: &mut http::request::Parts,
+    span: &tracing::Span,
 ) -> Result<(), ClientError<E>> {
-    if parts.headers.contains_key(&config.header) {
+    if let Some(own) = parts.headers.get(&config.header) {
+        if let Ok(own) = own.to_str() {
+            span.record("key", own);
+        }
         return Ok(());
     }
     let key = match parts.extensions.get::<IdempotencyKey>() {
         Some(incoming) => incoming.derive_for(&config.purpose),
         None => IdempotencyKey::random().map_err(|e| ClientError::Random(Box::new(e)))?,
     };
-    if tracing::level_enabled!(tracing::Level::DEBUG) {
-        tracing::Span::current().record("key", key.as_str());
-    }
+    span.record("key", key.as_str());
     parts
         .headers
         .insert(config.header.clone(), HeaderValue::from(key));
