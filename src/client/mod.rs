@@ -32,6 +32,9 @@
 //!
 //! # Which key
 //!
+//! Every request through the layer is a keyed call, whatever its method: put the layer on
+//! the client you make changing calls with (a `GET` with a key is harmless — servers ignore
+//! the key on methods they do not cover — but it is buffered and retried like the others).
 //! One key per logical call, the same on every attempt:
 //!
 //! 1. an `Idempotency-Key` header the caller set is kept as it is;
