@@ -779,9 +779,14 @@ async fn charge_at_provider(
     .map_err(|e| ApiError::bad_gateway(format!("cannot read the provider's answer: {e}")))?;
     // A 5xx of ours releases the client's key, so the client may retry; the provider
     // deduplicates that retry by the derived key.
-    if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::CONFLICT {
-        // The provider's store is unreachable, or an earlier attempt's charge is still in
-        // flight: retrying later is right (and a 503 is not stored, unlike a 4xx would be).
+    if status == StatusCode::SERVICE_UNAVAILABLE
+        || status == StatusCode::CONFLICT
+        || status == StatusCode::TOO_MANY_REQUESTS
+    {
+        // The provider's store is unreachable, an earlier attempt's charge is still in
+        // flight, or (over HTTP, once the client layer's retries are spent) the provider
+        // asks to slow down: retrying later is right (and a 503 is not stored, unlike a 4xx
+        // would be).
         return Err(ApiError::unavailable(format!(
             "the payment provider answered {status}; retry later"
         )));

@@ -2083,7 +2083,7 @@ struct FakeProvider {
 
 impl FakeProvider {
     /// Serves `POST /provider/charges` on a free port: keys that start with `refuse-422` are
-    /// answered `422`, `refuse-400` `400`; `busy` is answered `409` (`Retry-After: 1`), `429`,
+    /// answered `422`, `refuse-400` `400`, `slow-down` always `429`; `busy` is answered `409` (`Retry-After: 1`), `429`,
     /// `503`, then `201`; any other key `201` at once.
     async fn start() -> (FakeProvider, SocketAddr) {
         let fake = FakeProvider::default();
@@ -2134,6 +2134,8 @@ fn fake_charge(
         StatusCode::UNPROCESSABLE_ENTITY
     } else if key.starts_with("refuse-400") {
         StatusCode::BAD_REQUEST
+    } else if key.starts_with("slow-down") {
+        StatusCode::TOO_MANY_REQUESTS
     } else if key.starts_with("busy") && attempt <= 3 {
         if attempt == 1 {
             answer_headers.insert(RETRY_AFTER, "1".parse().unwrap());
@@ -2191,6 +2193,19 @@ async fn a_provider_4xx_is_not_retried_and_409_429_503_are() {
         let sent = fake.keys().iter().filter(|k| **k == charge_key).count();
         assert_eq!(sent, 1, "{key}: the provider's 4xx was sent again");
     }
+
+    // A provider that keeps saying "slow down": five attempts (the layer's bound), then the
+    // payment is 503 (retry later), not stored.
+    let reply = api
+        .pay(&[("idempotency-key", "slow-down"), acme], 3, 250)
+        .await;
+    reply.expect_problem(StatusCode::SERVICE_UNAVAILABLE);
+    let sent = fake
+        .keys()
+        .iter()
+        .filter(|k| *k == "slow-down:charge")
+        .count();
+    assert_eq!(sent, 5, "the attempts are bounded");
 
     // A key at the 255-character limit: the provider gets the hashed derived key.
     let long = "k".repeat(255);
