@@ -352,7 +352,7 @@ async fn a_connection_closed_before_the_answer_is_retried_with_the_same_key() {
 #[tokio::test]
 async fn an_attempt_past_its_timeout_is_retried_with_the_same_key() {
     let (upstream, addr) = Upstream::start([Step::Slow(Duration::from_secs(5))]).await;
-    let client = client(layer().with_attempt_timeout(Duration::from_millis(300)));
+    let client = client(layer().with_attempt_timeout(Duration::from_secs(1)));
     let response = call(&client, post(addr, "{}")).await.unwrap();
     assert_eq!(response.status(), StatusCode::CREATED);
     let keys = upstream.keys();
@@ -387,13 +387,14 @@ async fn a_retry_after_past_the_deadline_is_not_waited_for() {
 
 #[tokio::test]
 async fn the_deadline_bounds_the_whole_call() {
-    // Each answer says "come back in 1 s": within a 2.5 s deadline there is room for the
-    // first attempt and two retries, not for a fourth attempt.
-    let (upstream, addr) = Upstream::start(vec![Step::Status(429, Some("1")); 10]).await;
+    // Each answer says "come back in 2 s": within a 5 s deadline there is room for the first
+    // attempt and two retries (at 2 s and 4 s; a second of slack for a busy machine), not
+    // for a fourth attempt.
+    let (upstream, addr) = Upstream::start(vec![Step::Status(429, Some("2")); 10]).await;
     let client = client(
         layer()
             .with_max_attempts(100)
-            .with_deadline(Duration::from_millis(2500)),
+            .with_deadline(Duration::from_secs(5)),
     );
     let response = call(&client, post(addr, "{}")).await.unwrap();
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
