@@ -16,6 +16,20 @@
 //! provider ──POST /webhooks/provider──▶ [idempotency on webhook-id] ▶ receive_webhook
 //! ```
 //!
+//! With `PROVIDER_URL` set, the charge leaves the process: `POST {PROVIDER_URL}/provider/charges`
+//! over HTTP, through the crate's outbound client layer
+//! ([`IdempotentClientLayer`](tower_idempotency::client::IdempotentClientLayer)). It sends the
+//! derived key `k:charge` and, when the provider's answer is lost (a closed connection, a
+//! timeout) or says "later" (`409`, `429`, `503`), sends the charge again with the same key,
+//! so the provider answers with the charge it made instead of making another. Run a second
+//! instance as the provider and point `PROVIDER_URL` at it:
+//!
+//! ```text
+//! BIND=127.0.0.1:4000 cargo run --release --example payments            # the provider
+//! PROVIDER_URL=http://127.0.0.1:4000 cargo run --release --example payments
+//! curl localhost:4000/provider/charges                                  # the real charges
+//! ```
+//!
 //! With `DATABASE_URL` set, every layer runs in transactional mode
 //! ([`PostgresStore::transactional`]): the layer opens a transaction and claims the key in it,
 //! the handler writes its rows through that transaction ([`IdempotentTx`]), and the layer
@@ -55,6 +69,7 @@
 //! | `IDEMPOTENCY_WAIT_MS` | `0` | > 0: a duplicate of a request still running waits up to this long for its answer and gets it as a replay ([`IdempotencyLayer::with_wait_for_completion`]; in Postgres woken by `LISTEN/NOTIFY`, see [`PostgresStore::with_notifications`]); then `409` as with `0` |
 //! | `MAX_BODY_BYTES` | `1048576` | larger request bodies are answered `413` |
 //! | `IDEMPOTENCY` | `on` | `off`: the same routes without the layer (a baseline for benchmarks) |
+//! | `PROVIDER_URL` | unset | unset: the provider is called in process. Set (`http://host:port`): `POST /payments` calls `POST {PROVIDER_URL}/provider/charges` over HTTP through the outbound client layer, with the derived key, retrying that key on lost answers, `409`, `429`, `503` (never on another `4xx`) |
 //!
 //! The server prints one line, `listening on http://ADDR`, once it accepts connections, and
 //! stops cleanly on `SIGTERM` or `SIGINT`.
@@ -108,12 +123,17 @@ use axum::middleware::{Next, from_fn};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{patch, post};
 use axum::{Extension, Json, Router};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Number;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool, Postgres, Row as _, Transaction};
+use tower::Layer as _;
 use tower::ServiceExt as _;
+use tower_idempotency::client::{IdempotentClient, IdempotentClientLayer, ReplayBody};
 use tower_idempotency::{
     IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, IdempotentTx, MemoryStore, Mode,
     PostgresStore, TxConn, spawn_purge_task,
@@ -140,6 +160,9 @@ struct Config {
     max_body_bytes: usize,
     /// `false` (`IDEMPOTENCY=off`): the same routes and handlers, without the layer.
     idempotency: bool,
+    /// `PROVIDER_URL`, as `{PROVIDER_URL}/provider/charges`, and the outbound layer the
+    /// charges go there through.
+    provider_charges: Option<(axum::http::Uri, IdempotentClientLayer)>,
 }
 
 impl Config {
@@ -165,8 +188,28 @@ impl Config {
             wait: Duration::from_millis(number("IDEMPOTENCY_WAIT_MS", 0)?),
             max_body_bytes: number("MAX_BODY_BYTES", 1024 * 1024)?,
             idempotency,
+            provider_charges: provider_charges()?,
         })
     }
+}
+
+/// `{PROVIDER_URL}/provider/charges`, or `None` when `PROVIDER_URL` is unset or empty. The
+/// URL is `http://` (the example's client speaks plain HTTP), with a host.
+fn provider_charges() -> Result<Option<(axum::http::Uri, IdempotentClientLayer)>, String> {
+    let Some(url) = var("PROVIDER_URL")?.filter(|url| !url.is_empty()) else {
+        return Ok(None);
+    };
+    let invalid = || format!("invalid PROVIDER_URL={url:?}: expected http://host:port");
+    let uri: axum::http::Uri = format!("{}/provider/charges", url.trim_end_matches('/'))
+        .parse()
+        .map_err(|_| invalid())?;
+    if uri.scheme_str() != Some("http") || uri.host().is_none_or(str::is_empty) {
+        return Err(invalid());
+    }
+    // The key of a charge is the payment's, derived with the purpose "charge".
+    let layer = IdempotentClientLayer::new("charge")
+        .map_err(|e| format!("cannot make the provider's client: {e}"))?;
+    Ok(Some((uri, layer)))
 }
 
 /// An environment variable: `None` when unset, an error when it is not Unicode.
@@ -339,9 +382,38 @@ fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'stati
 #[derive(Clone)]
 struct AppState {
     db: Db,
-    /// The provider's router, layers included. The payments handler calls it in process,
+    /// Where the payments handler charges.
+    provider: Provider,
+}
+
+/// Where the payments service charges.
+#[derive(Clone)]
+enum Provider {
+    /// `PROVIDER_URL` unset: the provider's router, layers included, called in process,
     /// exactly as a client calls it over HTTP under `/provider/charges`.
-    provider: Router,
+    InProcess(Router),
+    /// `PROVIDER_URL` set: `POST {PROVIDER_URL}/provider/charges` over HTTP, through the
+    /// crate's outbound client layer.
+    Http(Arc<HttpProvider>),
+}
+
+/// The provider over HTTP: the client (the client layer over hyper-util's), and where to post.
+struct HttpProvider {
+    client: IdempotentClient<Client<HttpConnector, ReplayBody>>,
+    charges: axum::http::Uri,
+}
+
+impl Provider {
+    fn new(config: &Config, in_process: Router) -> Self {
+        let Some((charges, layer)) = config.provider_charges.clone() else {
+            return Self::InProcess(in_process);
+        };
+        let http = Client::builder(TokioExecutor::new()).build_http::<ReplayBody>();
+        Self::Http(Arc::new(HttpProvider {
+            client: layer.layer(http),
+            charges,
+        }))
+    }
 }
 
 /// What the provider's handlers share.
@@ -410,7 +482,7 @@ fn app<M: Mode>(
     .route_layer(from_fn(authenticate))
     .with_state(AppState {
         db: storage.payments.clone(),
-        provider: provider.clone(),
+        provider: Provider::new(config, provider.clone()),
     });
 
     // The webhook receiver. The provider names each event in a `webhook-id` header
@@ -630,16 +702,8 @@ async fn create_payment(
     let amount_cents = amount_cents(&new.amount_cents)?;
     let key = key.map(|Extension(key)| key);
 
-    // `<key>:charge`; always a valid key, even when the client's is 255 characters long.
-    let charge_key = match &key {
-        Some(key) => Some(
-            key.derive("charge")
-                .map_err(|e| ApiError::internal(format!("cannot derive a key: {e}")))?,
-        ),
-        None => None,
-    };
     let charge =
-        charge_at_provider(&state.provider, authorization, charge_key, amount_cents).await?;
+        charge_at_provider(&state.provider, authorization, key.as_ref(), amount_cents).await?;
 
     let mut writer = state.db.writer(tx).await?;
     let payment = writer
@@ -655,12 +719,13 @@ async fn create_payment(
     Ok((StatusCode::CREATED, Json(payment)))
 }
 
-/// Calls the provider's router in process, as `POST /provider/charges`, on behalf of the same
-/// tenant (the same `Authorization`) and with the derived key.
+/// Calls the provider as `POST /provider/charges`, on behalf of the same tenant (the same
+/// `Authorization`) and with the key derived from the payment's (`key`; `<key>:charge`): the
+/// provider's router in process, or `PROVIDER_URL` over HTTP.
 async fn charge_at_provider(
-    provider: &Router,
+    provider: &Provider,
     authorization: Option<HeaderValue>,
-    key: Option<IdempotencyKey>,
+    key: Option<&IdempotencyKey>,
     amount_cents: i64,
 ) -> Result<Charge, ApiError> {
     let body = serde_json::to_vec(&NewCharge { amount_cents })
@@ -670,24 +735,66 @@ async fn charge_at_provider(
     if let Some(authorization) = authorization {
         request = request.header(AUTHORIZATION, authorization);
     }
-    if let Some(key) = key {
-        request = request.header(IDEMPOTENCY_KEY, HeaderValue::from(key));
-    }
-    let request = request
-        .body(Body::from(body))
-        .map_err(|e| ApiError::internal(format!("cannot build the provider request: {e}")))?;
+    let build_error = |e: axum::http::Error| {
+        ApiError::internal(format!("cannot build the provider request: {e}"))
+    };
 
-    // A router never fails: its error type is `Infallible`.
-    let Ok(response) = provider.clone().oneshot(request).await;
+    let response = match provider {
+        Provider::InProcess(router) => {
+            if let Some(key) = key {
+                // `<key>:charge`; always a valid key, even when the client's is 255
+                // characters long.
+                let charge_key = key
+                    .derive("charge")
+                    .map_err(|e| ApiError::internal(format!("cannot derive a key: {e}")))?;
+                request = request.header(IDEMPOTENCY_KEY, HeaderValue::from(charge_key));
+            }
+            let request = request.body(Body::from(body)).map_err(build_error)?;
+            // A router never fails: its error type is `Infallible`.
+            let Ok(response) = router.clone().oneshot(request).await;
+            response
+        }
+        Provider::Http(http) => {
+            let mut request = request
+                .uri(http.charges.clone())
+                .body(Body::from(body))
+                .map_err(build_error)?;
+            // The client layer derives `<key>:charge` from the payment's key, the same
+            // derivation as above, and sends it on every attempt. (Without a key,
+            // `IDEMPOTENCY=off`, it sends a random one per charge.)
+            if let Some(key) = key {
+                request.extensions_mut().insert(key.clone());
+            }
+            let response = http.client.clone().oneshot(request).await.map_err(|e| {
+                tracing::warn!(
+                    error = &e as &dyn std::error::Error,
+                    "the payment provider did not answer"
+                );
+                // Whether the charge was made is unknown; a retry of the payment sends the
+                // same derived key, so the provider answers with the charge if it made it.
+                ApiError::unavailable("the payment provider did not answer; retry later")
+            })?;
+            response.map(Body::new)
+        }
+    };
     let status = response.status();
-    let body = axum::body::to_bytes(response.into_body(), 64 * 1024)
-        .await
-        .map_err(|e| ApiError::bad_gateway(format!("cannot read the provider's answer: {e}")))?;
+    let body = tokio::time::timeout(
+        PROVIDER_BODY_TIMEOUT,
+        axum::body::to_bytes(response.into_body(), 64 * 1024),
+    )
+    .await
+    .map_err(|_| ApiError::bad_gateway("the provider's answer did not arrive in time"))?
+    .map_err(|e| ApiError::bad_gateway(format!("cannot read the provider's answer: {e}")))?;
     // A 5xx of ours releases the client's key, so the client may retry; the provider
     // deduplicates that retry by the derived key.
-    if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::CONFLICT {
-        // The provider's store is unreachable, or an earlier attempt's charge is still in
-        // flight: retrying later is right (and a 503 is not stored, unlike a 4xx would be).
+    if status == StatusCode::SERVICE_UNAVAILABLE
+        || status == StatusCode::CONFLICT
+        || status == StatusCode::TOO_MANY_REQUESTS
+    {
+        // The provider's store is unreachable, an earlier attempt's charge is still in
+        // flight, or (over HTTP, once the client layer's retries are spent) the provider
+        // asks to slow down: retrying later is right (and a 503 is not stored, unlike a 4xx
+        // would be).
         return Err(ApiError::unavailable(format!(
             "the payment provider answered {status}; retry later"
         )));
@@ -701,6 +808,10 @@ async fn charge_at_provider(
     serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_gateway(format!("unexpected answer from the provider: {e}")))
 }
+
+/// How long the provider's answer may take to arrive once its head has (the client layer
+/// bounds the wait for the head).
+const PROVIDER_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `PATCH /orders/{order_id}`: sets the shipping address, creating the order if needed. In
 /// Postgres the new address commits with the key.

@@ -159,20 +159,29 @@ impl IdempotencyKey {
     /// [`KeyError::InvalidPurpose`] when `purpose` is empty, longer than 64 characters, not
     /// visible ASCII, or contains `:`.
     pub fn derive(&self, purpose: &str) -> Result<IdempotencyKey, KeyError> {
-        let p = purpose.as_bytes();
-        if p.is_empty()
-            || p.len() > MAX_PURPOSE_LEN
-            || !p.iter().all(|&b| is_visible_ascii(b) && b != b':')
-        {
-            return Err(KeyError::InvalidPurpose);
-        }
-        let derived = if self.0.len() + 1 + p.len() <= MAX_KEY_LEN && !self.0.starts_with(HASHED) {
-            format!("{}:{purpose}", self.0)
-        } else {
-            let digest = Sha256::digest(self.0.as_bytes());
-            format!("{HASHED}{}:{purpose}", crate::fingerprint::hex(&digest))
-        };
-        Ok(IdempotencyKey(derived.into()))
+        Ok(self.derive_for(&Purpose::new(purpose)?))
+    }
+
+    /// [`derive`](Self::derive) with a purpose checked before (the outbound client layer
+    /// checks its purpose once, when it is made).
+    pub(crate) fn derive_for(&self, purpose: &Purpose) -> IdempotencyKey {
+        let purpose = &*purpose.0;
+        let derived =
+            if self.0.len() + 1 + purpose.len() <= MAX_KEY_LEN && !self.0.starts_with(HASHED) {
+                format!("{}:{purpose}", self.0)
+            } else {
+                let digest = Sha256::digest(self.0.as_bytes());
+                format!("{HASHED}{}:{purpose}", crate::fingerprint::hex(&digest))
+            };
+        IdempotencyKey(derived.into())
+    }
+
+    /// A fresh key: 128 bits from the operating system's random source, as 32 lowercase hex
+    /// digits (for calls that carry no key to derive from).
+    pub(crate) fn random() -> Result<Self, getrandom::Error> {
+        let mut bytes = [0u8; 16];
+        getrandom::fill(&mut bytes)?;
+        Ok(Self(crate::fingerprint::hex(&bytes).into()))
     }
 
     /// The key as a header value: bare when that parses back to this key (the common case),
@@ -192,6 +201,27 @@ impl IdempotencyKey {
         }
         quoted.push('"');
         Cow::Owned(quoted)
+    }
+}
+
+/// A valid derivation purpose: 1 to 64 visible ASCII characters other than `:`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Purpose(Arc<str>);
+
+impl Purpose {
+    pub(crate) fn new(purpose: &str) -> Result<Self, KeyError> {
+        let p = purpose.as_bytes();
+        if p.is_empty()
+            || p.len() > MAX_PURPOSE_LEN
+            || !p.iter().all(|&b| is_visible_ascii(b) && b != b':')
+        {
+            return Err(KeyError::InvalidPurpose);
+        }
+        Ok(Self(purpose.into()))
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        &self.0
     }
 }
 

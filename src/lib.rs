@@ -199,6 +199,17 @@
 //! plain mode the extensions also hold the request's [`Lease`], which says whether another
 //! request may have taken the key over.
 //!
+//! # The client half
+//!
+//! The caller must send a key, and retry with the same one. [`IdempotentClientLayer`] does
+//! it for outbound clients (any `tower::Service<http::Request<_>>`, such as hyper-util's):
+//! it sends the key derived from the incoming request's (`<key>:charge`, when the outbound
+//! request's extensions hold the [`IdempotencyKey`]), or one the caller set, or a fresh
+//! random one; and it retries that same key with exponential backoff and jitter on lost
+//! answers (connection errors, timeouts), `409` (honouring `Retry-After`), `429`, `502`,
+//! `503` and `504` — never on `400`, `422` or another `4xx` — within a bound of attempts
+//! and of total time. See [`client`].
+//!
 //! # Security
 //!
 //! - **Always set a scope.** Without [`with_scope`](IdempotencyLayer::with_scope) all
@@ -241,6 +252,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod body;
+pub mod client;
 mod error;
 #[cfg(feature = "axum")]
 mod extract;
@@ -263,6 +275,7 @@ pub mod testing;
 pub mod transactional;
 mod wait;
 
+pub use client::{ClientError, IdempotentClient, IdempotentClientLayer};
 pub use error::{BoxError, StoreError};
 #[cfg(feature = "axum")]
 pub use extract::MissingIdempotencyKey;

@@ -53,6 +53,7 @@ const EXAMPLE_VARS: &[&str] = &[
     "MAX_BODY_BYTES",
     "IDEMPOTENCY",
     "IDEMPOTENCY_WAIT_MS",
+    "PROVIDER_URL",
 ];
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -1112,6 +1113,8 @@ fn invalid_configuration_is_reported_and_exits_non_zero() {
         ("MAX_BODY_BYTES", "1MB"),
         ("IDEMPOTENCY", "maybe"),
         ("BIND", "not an address"),
+        ("PROVIDER_URL", "ftp://127.0.0.1:1"),
+        ("PROVIDER_URL", "not a url"),
     ];
     for &(var, value) in cases {
         let stderr = expect_config_error(&[(var, value)]);
@@ -1967,4 +1970,302 @@ async fn bad_tenants(env: &[(&str, &str)]) {
         );
     }
     assert_eq!(api.charges().await, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// PROVIDER_URL: the provider in another process, over HTTP, through the client layer
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn lost_provider_answers_charge_once_per_payment() {
+    lost_provider_answers(&[]).await;
+}
+
+#[tokio::test]
+async fn postgres_lost_provider_answers_charge_once_per_payment() {
+    // Both processes on one database: the provider's charges and the payments are in their
+    // own tables, and their keys in their own scopes (`provider:…`, `tenant:…`).
+    with_fresh_database(|url| async move {
+        lost_provider_answers(&[("DATABASE_URL", &url)]).await;
+    })
+    .await;
+}
+
+/// Two example processes: the provider, and the payments service with `PROVIDER_URL`
+/// pointing at the provider through a proxy that loses answers after the provider made the
+/// charge and answered. Every payment is `201`, each charged exactly once (the provider's
+/// own count), and a retry of a payment replays it.
+async fn lost_provider_answers(env: &[(&str, &str)]) {
+    const SEQUENTIAL: i64 = 5;
+    const CONCURRENT: i64 = 8;
+    let acme = ("authorization", "Bearer acme");
+    let provider = Server::start(env);
+    let proxy = support::proxy::Proxy::start(provider.addr).await;
+    let provider_url = format!("http://{}", proxy.addr());
+    let mut payments_env = env.to_vec();
+    payments_env.push(("PROVIDER_URL", &provider_url));
+    let payments = Server::start(&payments_env);
+    let (api, provider_api) = (payments.api(), provider.api());
+
+    // One at a time: the first two answers of each charge are lost.
+    let mut first_answers = Vec::new();
+    for i in 1..=SEQUENTIAL {
+        let lost = proxy.answers_lost();
+        proxy.lose_answers(2);
+        let key = format!("lost-{i}");
+        let reply = api.pay(&[("idempotency-key", &key), acme], 7, 100).await;
+        expect_new_payment(&reply, 7, 100);
+        assert_eq!(
+            proxy.answers_lost(),
+            lost + 2,
+            "both answers of {key} were lost"
+        );
+        assert_eq!(provider_api.charges().await, i, "{key} was charged once");
+        first_answers.push((key, reply));
+    }
+
+    // Together: `CONCURRENT` payments, and as many answers lost among them. A payment whose
+    // provider call gives up (all its attempts lost) is `503`: the client retries it with
+    // its key, as a client does.
+    proxy.lose_answers(usize::try_from(CONCURRENT).unwrap());
+    let lost_before = proxy.answers_lost();
+    let unavailable = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let tasks: Vec<_> = (1..=CONCURRENT)
+        .map(|i| {
+            let api = api.clone();
+            let unavailable = unavailable.clone();
+            tokio::spawn(async move {
+                let key = format!("together-{i}");
+                loop {
+                    let reply = api.pay(&[("idempotency-key", &key), acme], 8, 10).await;
+                    if reply.status != StatusCode::SERVICE_UNAVAILABLE {
+                        return (key, reply);
+                    }
+                    unavailable.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        let (key, reply) = task.await.unwrap();
+        let payment = reply.expect_json(StatusCode::CREATED);
+        assert_eq!(payment["amount_cents"], 10, "{key}: {payment}");
+        first_answers.push((key, reply));
+    }
+    assert_eq!(
+        proxy.answers_lost() - lost_before,
+        usize::try_from(CONCURRENT).unwrap(),
+        "every answer the proxy was told to lose was lost"
+    );
+    eprintln!(
+        "{} payments, {} provider answers lost, {} payments answered 503 and retried by the \
+         test's client",
+        SEQUENTIAL + CONCURRENT,
+        proxy.answers_lost(),
+        unavailable.load(std::sync::atomic::Ordering::SeqCst)
+    );
+
+    // The provider made one charge per payment. In memory, the payments process has charges
+    // of its own (none: nothing was charged in process); in Postgres the two processes
+    // count the same table.
+    assert_eq!(provider_api.charges().await, SEQUENTIAL + CONCURRENT);
+    if !env.iter().any(|(var, _)| *var == "DATABASE_URL") {
+        assert_eq!(api.charges().await, 0, "no charge was made in process");
+    }
+    assert_eq!(
+        api.order(Some("acme"), 7).await,
+        order_json(7, 100 * SEQUENTIAL, SEQUENTIAL, None)
+    );
+    assert_eq!(
+        api.order(Some("acme"), 8).await,
+        order_json(8, 10 * CONCURRENT, CONCURRENT, None)
+    );
+    // Charge ids are distinct: no two payments share a charge.
+    let mut charge_ids: Vec<String> = first_answers
+        .iter()
+        .map(|(_, reply)| reply.json()["charge_id"].as_str().unwrap().to_owned())
+        .collect();
+    charge_ids.sort();
+    charge_ids.dedup();
+    assert_eq!(charge_ids.len(), first_answers.len(), "{charge_ids:?}");
+
+    // A retry of a payment is its replay; nothing is charged again.
+    proxy.lose_answers(0);
+    for (key, first) in &first_answers {
+        let again = api.pay(&[("idempotency-key", key), acme], 0, 0).await;
+        // Another body under the same key is 422 at the payments layer: the replay check
+        // below uses the same body as the first request.
+        again.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+        let (order, amount) = if key.starts_with("lost-") {
+            (7, 100)
+        } else {
+            (8, 10)
+        };
+        let again = api
+            .pay(&[("idempotency-key", key), acme], order, amount)
+            .await;
+        expect_replay_of(&again, first);
+    }
+    assert_eq!(provider_api.charges().await, SEQUENTIAL + CONCURRENT);
+
+    // The provider refuses a charge (the derived key was used before with another amount):
+    // its 422 is an answer, not retried; the payment is 502, and nothing is charged.
+    let used = provider_api
+        .post(
+            "/provider/charges",
+            &[("idempotency-key", "reused:charge"), acme],
+            &json!({ "amount_cents": 5 }),
+        )
+        .await;
+    used.expect_json(StatusCode::CREATED);
+    let count = provider_api.charges().await;
+    let refused = api.pay(&[("idempotency-key", "reused"), acme], 9, 7).await;
+    refused.expect_problem(StatusCode::BAD_GATEWAY);
+    assert_eq!(provider_api.charges().await, count);
+}
+
+/// What a fake provider (in the test process) was sent: the key and `Authorization` of each
+/// request, in order.
+#[derive(Clone, Default)]
+struct FakeProvider {
+    seen: Arc<Mutex<Vec<(String, String)>>>,
+}
+
+impl FakeProvider {
+    /// Serves `POST /provider/charges` on a free port: keys that start with `refuse-422` are
+    /// answered `422`, `refuse-400` `400`, `slow-down` always `429`; `busy` is answered `409` (`Retry-After: 1`), `429`,
+    /// `503`, then `201`; any other key `201` at once.
+    async fn start() -> (FakeProvider, SocketAddr) {
+        let fake = FakeProvider::default();
+        let seen = fake.seen.clone();
+        let app = axum::Router::new().route(
+            "/provider/charges",
+            axum::routing::post(move |headers: HeaderMap, body: Bytes| {
+                let seen = seen.clone();
+                async move { fake_charge(&seen, &headers, &body) }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (fake, addr)
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+}
+
+fn fake_charge(
+    seen: &Mutex<Vec<(String, String)>>,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> (StatusCode, HeaderMap, String) {
+    let text = |name: &str| {
+        headers
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default()
+    };
+    let key = text("idempotency-key");
+    let attempt = {
+        let mut seen = seen.lock().unwrap();
+        seen.push((key.clone(), text("authorization")));
+        seen.iter().filter(|(k, _)| *k == key).count()
+    };
+    let amount = serde_json::from_slice::<Value>(body).unwrap()["amount_cents"].clone();
+    let mut answer_headers = HeaderMap::new();
+    let status = if key.starts_with("refuse-422") {
+        StatusCode::UNPROCESSABLE_ENTITY
+    } else if key.starts_with("refuse-400") {
+        StatusCode::BAD_REQUEST
+    } else if key.starts_with("slow-down") {
+        StatusCode::TOO_MANY_REQUESTS
+    } else if key.starts_with("busy") && attempt <= 3 {
+        if attempt == 1 {
+            answer_headers.insert(RETRY_AFTER, "1".parse().unwrap());
+        }
+        [
+            StatusCode::CONFLICT,
+            StatusCode::TOO_MANY_REQUESTS,
+            StatusCode::SERVICE_UNAVAILABLE,
+        ][attempt - 1]
+    } else {
+        answer_headers.insert(CONTENT_TYPE, JSON.parse().unwrap());
+        let charge = json!({ "charge_id": format!("ch_fake_{attempt}"), "amount_cents": amount });
+        return (StatusCode::CREATED, answer_headers, charge.to_string());
+    };
+    (status, answer_headers, String::new())
+}
+
+/// `PROVIDER_URL` pointing at a fake provider that answers by script: the payments process
+/// sends the derived key and the tenant's `Authorization`, retries `409`, `429` and `503` with
+/// the same key, and never a `422` or a `400` (the payment is then `502`, as in process).
+#[tokio::test]
+async fn a_provider_4xx_is_not_retried_and_409_429_503_are() {
+    let (fake, addr) = FakeProvider::start().await;
+    let provider_url = format!("http://{addr}");
+    let payments = Server::start(&[("PROVIDER_URL", &provider_url)]);
+    let api = payments.api();
+    let acme = ("authorization", "Bearer acme");
+
+    let busy = api
+        .pay(&[("idempotency-key", "busy-1"), acme], 3, 250)
+        .await;
+    let payment = expect_new_payment(&busy, 3, 250);
+    assert_eq!(
+        payment["charge_id"], "ch_fake_4",
+        "the fourth attempt was charged"
+    );
+    assert_eq!(
+        fake.keys(),
+        vec!["busy-1:charge"; 4],
+        "the same key on every attempt"
+    );
+    assert!(
+        fake.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|(_, auth)| auth == "Bearer acme"),
+        "the tenant's Authorization is forwarded"
+    );
+
+    for key in ["refuse-422", "refuse-400"] {
+        let reply = api.pay(&[("idempotency-key", key), acme], 3, 250).await;
+        reply.expect_problem(StatusCode::BAD_GATEWAY);
+        let charge_key = format!("{key}:charge");
+        let sent = fake.keys().iter().filter(|k| **k == charge_key).count();
+        assert_eq!(sent, 1, "{key}: the provider's 4xx was sent again");
+    }
+
+    // A provider that keeps saying "slow down": five attempts (the layer's bound), then the
+    // payment is 503 (retry later), not stored.
+    let reply = api
+        .pay(&[("idempotency-key", "slow-down"), acme], 3, 250)
+        .await;
+    reply.expect_problem(StatusCode::SERVICE_UNAVAILABLE);
+    let sent = fake
+        .keys()
+        .iter()
+        .filter(|k| *k == "slow-down:charge")
+        .count();
+    assert_eq!(sent, 5, "the attempts are bounded");
+
+    // A key at the 255-character limit: the provider gets the hashed derived key.
+    let long = "k".repeat(255);
+    let reply = api.pay(&[("idempotency-key", &long), acme], 3, 1).await;
+    expect_new_payment(&reply, 3, 1);
+    let sent = fake.keys().last().unwrap().clone();
+    assert!(
+        sent.starts_with("~sha256-") && sent.ends_with(":charge"),
+        "{sent}"
+    );
+    assert!(sent.len() <= 255);
 }

@@ -1,10 +1,12 @@
 //! A TCP proxy for fault tests: it forwards every connection to a target address, and the
 //! test can stall it ([`Proxy::pause`]: bytes stop flowing both ways but every connection
 //! stays open, like a network that drops packets), switch its target ([`Proxy::set_target`]:
-//! new connections go elsewhere, like a VIP or DNS switch at failover) and cut every open
-//! connection ([`Proxy::cut_all`]).
+//! new connections go elsewhere, like a VIP or DNS switch at failover), cut every open
+//! connection ([`Proxy::cut_all`]) and lose answers ([`Proxy::lose_answers`]: the request
+//! reaches the server, which answers, and the answer is thrown away with the connection).
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -26,6 +28,10 @@ struct Shared {
     paused: watch::Sender<bool>,
     /// The tasks of the open connections (finished ones are pruned as new ones come).
     conns: Mutex<Vec<AbortHandle>>,
+    /// How many of the next answers to lose ([`Proxy::lose_answers`]).
+    to_lose: AtomicUsize,
+    /// How many answers were lost.
+    lost: AtomicUsize,
 }
 
 impl Proxy {
@@ -37,6 +43,8 @@ impl Proxy {
             target: Mutex::new(target),
             paused: watch::channel(false).0,
             conns: Mutex::new(Vec::new()),
+            to_lose: AtomicUsize::new(0),
+            lost: AtomicUsize::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone())).abort_handle();
         Proxy {
@@ -77,6 +85,19 @@ impl Proxy {
         for conn in self.shared.conns.lock().unwrap().drain(..) {
             conn.abort();
         }
+    }
+
+    /// Loses the next `n` answers: the next `n` times the server sends bytes on a connection
+    /// (the start of its answer, when no answer is under way), those bytes are thrown away
+    /// and the connection is closed both ways. The server did the work and answered; the client sees
+    /// its connection closed before any answer.
+    pub fn lose_answers(&self, n: usize) {
+        self.shared.to_lose.store(n, Ordering::SeqCst);
+    }
+
+    /// How many answers were lost so far.
+    pub fn answers_lost(&self) -> usize {
+        self.shared.lost.load(Ordering::SeqCst)
     }
 
     /// How many connections are open.
@@ -122,8 +143,13 @@ async fn forward(client: TcpStream, shared: Arc<Shared>) {
     let _ = server.set_nodelay(true);
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    let up = pump(client_read, server_write, shared.paused.subscribe());
-    let down = pump(server_read, client_write, shared.paused.subscribe());
+    let up = pump(client_read, server_write, shared.paused.subscribe(), None);
+    let down = pump(
+        server_read,
+        client_write,
+        shared.paused.subscribe(),
+        Some(&shared),
+    );
     // When one direction ends, the whole connection ends (both sockets are dropped).
     tokio::select! {
         () = up => {}
@@ -131,7 +157,14 @@ async fn forward(client: TcpStream, shared: Arc<Shared>) {
     }
 }
 
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut paused: watch::Receiver<bool>) {
+/// Copies `from` to `to`. With `answers` (the server-to-client direction), bytes that arrive
+/// after the client wrote (the start of an answer) may be lost instead.
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    mut paused: watch::Receiver<bool>,
+    answers: Option<&Shared>,
+) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         if paused.wait_for(|p| !*p).await.is_err() {
@@ -141,6 +174,16 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut paused: watch
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        if let Some(shared) = answers {
+            let lose = shared
+                .to_lose
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            if lose {
+                shared.lost.fetch_add(1, Ordering::SeqCst);
+                return;
+            }
+        }
         // Paused while the bytes were in flight: hold them until resumed.
         if paused.wait_for(|p| !*p).await.is_err() {
             return;

@@ -1,0 +1,140 @@
+//! [`IdempotentClientLayer`] and its configuration.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderName;
+use tower_layer::Layer;
+
+use super::service::IdempotentClient;
+use crate::key::{KeyError, Purpose};
+use crate::layer::IDEMPOTENCY_KEY;
+
+/// The default bound on attempts per call ([`IdempotentClientLayer::with_max_attempts`]).
+const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+/// The default bound on one attempt ([`IdempotentClientLayer::with_attempt_timeout`]).
+const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The default bound on a whole call ([`IdempotentClientLayer::with_deadline`]).
+const DEFAULT_DEADLINE: Duration = Duration::from_secs(10);
+/// The default backoff: the first retry waits up to this, each next one up to twice as long…
+const DEFAULT_BASE_DELAY: Duration = Duration::from_millis(100);
+/// …but never more than this ([`IdempotentClientLayer::with_backoff`]).
+const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(2);
+/// The default limit of a buffered request body ([`IdempotentClientLayer::with_max_request_body`]).
+const DEFAULT_MAX_BODY: usize = 1024 * 1024;
+
+#[derive(Clone, Debug)]
+pub(crate) struct ClientConfig {
+    pub(crate) purpose: Purpose,
+    pub(crate) header: HeaderName,
+    pub(crate) max_attempts: u32,
+    pub(crate) attempt_timeout: Duration,
+    pub(crate) deadline: Duration,
+    pub(crate) base_delay: Duration,
+    pub(crate) max_delay: Duration,
+    pub(crate) max_body: usize,
+}
+
+/// Applies [`IdempotentClient`] to an outbound HTTP client: every request gets an
+/// idempotency key, and lost answers, `409`, `429`, `502`, `503` and `504` are retried with
+/// that same key.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::client::IdempotentClientLayer;
+///
+/// let layer = IdempotentClientLayer::new("charge")?
+///     .with_max_attempts(4)
+///     .with_deadline(Duration::from_secs(20));
+/// # let _ = layer;
+/// # Ok::<(), tower_idempotency::KeyError>(())
+/// ```
+///
+/// See the [module documentation](crate::client) for which key is sent, what is retried and
+/// every setting's default.
+#[derive(Clone, Debug)]
+pub struct IdempotentClientLayer {
+    pub(crate) config: Arc<ClientConfig>,
+}
+
+impl IdempotentClientLayer {
+    /// A layer whose calls derive their key from the incoming request's with `purpose`
+    /// (`<incoming key>:<purpose>`, see [`IdempotencyKey::derive`](crate::IdempotencyKey::derive)),
+    /// with the default settings.
+    ///
+    /// # Errors
+    ///
+    /// [`KeyError::InvalidPurpose`] when `purpose` is empty, longer than 64 characters, not
+    /// visible ASCII, or contains `:` — checked here, so a call never fails on it later.
+    pub fn new(purpose: &str) -> Result<Self, KeyError> {
+        Ok(Self {
+            config: Arc::new(ClientConfig {
+                purpose: Purpose::new(purpose)?,
+                header: IDEMPOTENCY_KEY,
+                max_attempts: DEFAULT_MAX_ATTEMPTS,
+                attempt_timeout: DEFAULT_ATTEMPT_TIMEOUT,
+                deadline: DEFAULT_DEADLINE,
+                base_delay: DEFAULT_BASE_DELAY,
+                max_delay: DEFAULT_MAX_DELAY,
+                max_body: DEFAULT_MAX_BODY,
+            }),
+        })
+    }
+
+    fn with(mut self, f: impl FnOnce(&mut ClientConfig)) -> Self {
+        f(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// The header that carries the key (default `Idempotency-Key`).
+    pub fn with_header(self, header: HeaderName) -> Self {
+        self.with(|c| c.header = header)
+    }
+
+    /// The most attempts one call makes, the first included (default 5). `0` counts as `1`:
+    /// no retries.
+    pub fn with_max_attempts(self, attempts: u32) -> Self {
+        self.with(|c| c.max_attempts = attempts.max(1))
+    }
+
+    /// The longest one attempt may take to answer (its status and headers; default 5 s).
+    /// An attempt past it is dropped and counts as a lost answer: retried with the same key.
+    /// Values below 1 ms are raised to 1 ms.
+    pub fn with_attempt_timeout(self, timeout: Duration) -> Self {
+        self.with(|c| c.attempt_timeout = timeout.max(Duration::from_millis(1)))
+    }
+
+    /// The longest a whole call may take, from its first attempt: attempts and the waits
+    /// between them (default 10 s). No attempt runs past it, and no retry starts whose wait
+    /// would reach it: the call returns its last answer or error instead. Values below 1 ms
+    /// are raised to 1 ms.
+    pub fn with_deadline(self, deadline: Duration) -> Self {
+        self.with(|c| c.deadline = deadline.max(Duration::from_millis(1)))
+    }
+
+    /// The exponential backoff between attempts (default 100 ms, at most 2 s): before retry
+    /// `n` (1, 2, …) the call waits a random time between zero and
+    /// `min(max, base × 2^(n-1))` ("full jitter", so that clients turned away together do not
+    /// come back together) — or the answer's `Retry-After`, when that is longer.
+    pub fn with_backoff(self, base: Duration, max: Duration) -> Self {
+        self.with(|c| {
+            c.base_delay = base;
+            c.max_delay = max.max(base);
+        })
+    }
+
+    /// The largest request body, in bytes, that the layer buffers to send again (default
+    /// 1 MiB). A larger body is an error ([`ClientError::BodyTooLarge`](super::ClientError)),
+    /// and nothing is sent.
+    pub fn with_max_request_body(self, bytes: usize) -> Self {
+        self.with(|c| c.max_body = bytes)
+    }
+}
+
+impl<S> Layer<S> for IdempotentClientLayer {
+    type Service = IdempotentClient<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotentClient::new(inner, self.config.clone())
+    }
+}

@@ -1,0 +1,176 @@
+//! The client half: an outbound layer that sends an idempotency key and retries safely.
+//!
+//! The server layer makes a retry safe; the caller still has to send a key, and retry with
+//! *the same* key. [`IdempotentClientLayer`] does that for any outbound
+//! `tower::Service<http::Request<ReplayBody>>` — hyper-util's client, or a stack on top of it.
+//!
+//! ```no_run
+//! use bytes::Bytes;
+//! use http_body_util::Full;
+//! use hyper_util::client::legacy::Client;
+//! use hyper_util::rt::TokioExecutor;
+//! use tower::{Layer as _, ServiceExt as _};
+//! use tower_idempotency::IdempotencyKey;
+//! use tower_idempotency::client::{IdempotentClientLayer, ReplayBody};
+//!
+//! # async fn charge(incoming: IdempotencyKey) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! // Made once, cloned per call.
+//! let http = Client::builder(TokioExecutor::new()).build_http::<ReplayBody>();
+//! let provider = IdempotentClientLayer::new("charge")?.layer(http);
+//!
+//! // In a handler behind the server layer: `incoming` is the request's key (extracted, or
+//! // taken from its extensions). Put it into the outbound request's extensions…
+//! let mut request = http::Request::post("http://provider.internal/charges")
+//!     .header("content-type", "application/json")
+//!     .body(Full::new(Bytes::from_static(br#"{"amount_cents": 1999}"#)))?;
+//! request.extensions_mut().insert(incoming);
+//! // …and it is sent as `Idempotency-Key: <incoming key>:charge`, on every attempt.
+//! let response = provider.clone().oneshot(request).await?;
+//! # let _ = response;
+//! # Ok(()) }
+//! ```
+//!
+//! # Which key
+//!
+//! Every request through the layer is a keyed call, whatever its method: put the layer on
+//! the client you make changing calls with (a `GET` with a key is harmless — servers ignore
+//! the key on methods they do not cover — but it is buffered and retried like the others).
+//! One key per logical call, the same on every attempt:
+//!
+//! 1. an `Idempotency-Key` header the caller set is kept as it is;
+//! 2. otherwise, when the request's extensions hold an [`IdempotencyKey`] (the incoming
+//!    request's, which the server layer puts there for handlers), the key
+//!    [derived](IdempotencyKey::derive) from it with the layer's purpose:
+//!    `<incoming key>:<purpose>`, or its hashed form for long keys. A retry of the incoming
+//!    request derives the same key, so the other side deduplicates across *those* retries
+//!    too — also after a crash of the caller;
+//! 3. otherwise a fresh random key: 128 bits from the operating system's random source, as
+//!    32 hex digits. It covers the retries of this call only.
+//!
+//! # What is retried
+//!
+//! | attempt's outcome | retried |
+//! |---|---|
+//! | the inner service failed (connection refused, reset, closed before the answer, any other error) | yes |
+//! | no answer within the attempt timeout | yes |
+//! | `409` (an earlier attempt with this key still runs), `429`, `503` | yes, after the answer's `Retry-After` (delta-seconds) if it is longer than the backoff |
+//! | `502`, `504` (a gateway lost the answer) | yes |
+//! | any other answer: `2xx`, `3xx`, `400`, `404`, `422`, other `4xx`, `500` and other `5xx` | no: it is the call's answer |
+//!
+//! Every inner error is retried, because a request that carries a key is safe to send again
+//! whatever happened to the last one: the server either never saw it, or runs it once and
+//! replays its answer. A `422` means the key was used with another request — sending it
+//! again cannot help. A `500` is returned rather than retried at once; the key makes a
+//! later call with it safe.
+//!
+//! Attempts are spaced by exponential backoff with full jitter (a random wait between zero
+//! and `min(2 s, 100 ms × 2^(n-1))` before retry `n`). The call stops at
+//! [`with_max_attempts`](IdempotentClientLayer::with_max_attempts) (default 5) or at its
+//! [`with_deadline`](IdempotentClientLayer::with_deadline) (default 10 s from the first
+//! attempt), whichever comes first: no attempt runs past the deadline, and no retry starts
+//! whose wait (a `Retry-After: 3600`, say) would reach it. Then the last outcome is the
+//! call's: the last answer as `Ok` (a `503`, say), or the last error
+//! ([`ClientError::Inner`], [`ClientError::TimedOut`]).
+//!
+//! The request body is read once, up to
+//! [`with_max_request_body`](IdempotentClientLayer::with_max_request_body) (default 1 MiB),
+//! and sent byte for byte on every attempt ([`ReplayBody`]); a larger body is
+//! [`ClientError::BodyTooLarge`] and nothing is sent. The response is the inner service's,
+//! untouched.
+//!
+//! Timers are Tokio's (`tokio::time`, so paused time in tests applies). Outside a Tokio
+//! runtime a call makes one attempt, without timeout or retry.
+//!
+//! # Configuration
+//!
+//! | setter | default |
+//! |---|---|
+//! | [`new`](IdempotentClientLayer::new)`(purpose)` | — (the purpose of derived keys; checked here) |
+//! | [`with_header`](IdempotentClientLayer::with_header) | `Idempotency-Key` |
+//! | [`with_max_attempts`](IdempotentClientLayer::with_max_attempts) | 5 |
+//! | [`with_attempt_timeout`](IdempotentClientLayer::with_attempt_timeout) | 5 s |
+//! | [`with_deadline`](IdempotentClientLayer::with_deadline) | 10 s |
+//! | [`with_backoff`](IdempotentClientLayer::with_backoff) | 100 ms, at most 2 s |
+//! | [`with_max_request_body`](IdempotentClientLayer::with_max_request_body) | 1 MiB |
+//!
+//! Choose the deadline within what your own caller waits for you, and, when the call runs
+//! in a handler behind the server layer in transactional mode, mind that the handler holds
+//! its transaction (a pool connection) for as long as the call takes.
+//!
+//! # Observability
+//!
+//! Each call runs in a `tracing` span `idempotent_client` (DEBUG) with the `purpose`, the
+//! `key` and the number of `attempts`; each attempt that fails or is retried is a DEBUG event
+//! with its number and `reason` (`error`, `timeout`, `409`, `429`, `502`, `503`, `504`), and
+//! a call that gives up is a WARN event. With the `metrics` feature, never with a key as a
+//! label:
+//!
+//! | metric | kind | what |
+//! |---|---|---|
+//! | `tower_idempotency_client_attempts_total{purpose}` | counter | attempts sent |
+//! | `tower_idempotency_client_retries_total{purpose,reason}` | counter | retries, by the reason above |
+//! | `tower_idempotency_client_calls_total{purpose,outcome}` | counter | calls: `answered` (an answer that is not retried), `exhausted` (the bounds were hit; the last outcome returned), `not_sent` (the body was too large or unreadable) |
+
+mod body;
+mod future;
+mod layer;
+mod service;
+
+use std::time::Duration;
+
+pub use body::ReplayBody;
+pub use future::ResponseFuture;
+pub use layer::IdempotentClientLayer;
+pub use service::IdempotentClient;
+
+use crate::error::BoxError;
+#[cfg(doc)]
+use crate::key::IdempotencyKey;
+
+/// Why an [`IdempotentClient`] call returned no answer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError<E> {
+    /// The inner service failed on the last attempt (the cause is kept), after `attempts`
+    /// attempts; `0` when it failed to become ready before the first.
+    #[error("the outbound call failed after {attempts} attempt(s)")]
+    Inner {
+        /// The inner service's error.
+        #[source]
+        source: E,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The last attempt got no answer within `after` (the attempt timeout, or what was left
+    /// of the deadline).
+    #[error("the outbound call got no answer within {after:?} (attempt {attempts})")]
+    TimedOut {
+        /// How long the last attempt waited.
+        after: Duration,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The request body is larger than the layer's limit: nothing was sent.
+    #[error("the request body is larger than {limit} bytes: not sent")]
+    BodyTooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// The request body could not be read: nothing was sent.
+    #[error("the request body could not be read: not sent")]
+    Body(#[source] BoxError),
+    /// No random key could be drawn (the operating system's random source failed): nothing
+    /// was sent.
+    #[error("no random idempotency key could be drawn: not sent")]
+    Random(#[source] BoxError),
+}
+
+impl<E> ClientError<E> {
+    /// How many attempts were sent (`0`: none).
+    pub fn attempts(&self) -> u32 {
+        match self {
+            Self::Inner { attempts, .. } | Self::TimedOut { attempts, .. } => *attempts,
+            Self::BodyTooLarge { .. } | Self::Body(_) | Self::Random(_) => 0,
+        }
+    }
+}
