@@ -47,6 +47,9 @@ async fn a_stall_during_the_claim_is_503_within_the_store_timeout() {
             "{mode:?}: the 503 took {took:?}"
         );
         assert_eq!(fx.calls.get("/pay"), 0, "{mode:?}: the handler did not run");
+        println!(
+            "{mode:?}: stall during the claim: 503 after {took:?} (store timeout {STORE_TIMEOUT:?})"
+        );
         fx.proxy.resume();
 
         // The claim that stalled may still reach the server once the network is back (it
@@ -88,6 +91,7 @@ async fn an_exhausted_pool_is_503_within_the_store_timeout_not_the_acquire_timeo
             "{mode:?}: the 503 took {took:?}"
         );
         assert_eq!(fx.calls.total(), 0, "{mode:?}");
+        println!("{mode:?}: exhausted pool: 503 after {took:?} (store timeout {STORE_TIMEOUT:?})");
         drop(held);
         // Nothing was claimed: the retry runs at once, once.
         let (first, _) = timed(&app, req("POST", "/pay", Some("k"), "b"), HANG).await;
