@@ -249,6 +249,7 @@
 //!
 //! The README's "Deploying" section says what to alert on.
 
+#![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod body;

@@ -73,13 +73,23 @@ impl StoredResponse {
     /// Encodes the headers for storage: for each header, a big-endian `u16` name length,
     /// the name, a `u32` value length and the value.
     pub fn encode_headers(&self) -> Vec<u8> {
-        let size: usize = self
-            .0
+        let mut out = Vec::with_capacity(self.encoded_headers_len());
+        self.encode_headers_into(&mut out);
+        out
+    }
+
+    /// The length of [`encode_headers`](StoredResponse::encode_headers)' output.
+    pub(crate) fn encoded_headers_len(&self) -> usize {
+        self.0
             .headers
             .iter()
             .map(|(n, v)| 6 + n.as_str().len() + v.len())
-            .sum();
-        let mut out = Vec::with_capacity(size);
+            .sum()
+    }
+
+    /// Appends what [`encode_headers`](StoredResponse::encode_headers) returns to `out`, so a
+    /// store can write the headers into its own buffer without a second allocation.
+    pub(crate) fn encode_headers_into(&self, out: &mut Vec<u8>) {
         for (name, value) in &self.0.headers {
             // Header names are far shorter than 64 KiB and values than 4 GiB in any HTTP
             // implementation (hyper caps a whole head at a few hundred KiB); saturate anyway.
@@ -89,7 +99,6 @@ impl StoredResponse {
             out.put_u32(u32::try_from(value.len()).unwrap_or(u32::MAX));
             out.put_slice(value.as_bytes());
         }
-        out
     }
 
     /// Decodes headers written by [`encode_headers`](StoredResponse::encode_headers).

@@ -21,15 +21,16 @@ const HEAD: usize = 2 + 1 + 4;
 
 impl Answer {
     pub(super) fn encode(answer: &StoredResponse) -> Self {
-        let headers = answer.encode_headers();
+        let headers = answer.encoded_headers_len();
         let body = answer.body().map_or(&[][..], |b| &b[..]);
-        let mut out = Vec::with_capacity(HEAD + headers.len() + body.len());
+        // One allocation, of the exact size: the headers are encoded in place.
+        let mut out = Vec::with_capacity(HEAD + headers + body.len());
         out.put_u16(answer.status().as_u16());
         out.put_u8(u8::from(answer.body().is_some()));
         // Headers are far shorter than 4 GiB (hyper caps a whole head at a few hundred KiB);
         // saturating, the decoding would report the answer corrupt rather than misread it.
-        out.put_u32(u32::try_from(headers.len()).unwrap_or(u32::MAX));
-        out.put_slice(&headers);
+        out.put_u32(u32::try_from(headers).unwrap_or(u32::MAX));
+        answer.encode_headers_into(&mut out);
         out.put_slice(body);
         Self(out.into_boxed_slice())
     }
