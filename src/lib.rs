@@ -260,6 +260,8 @@ pub mod fingerprint;
 pub mod future;
 #[cfg(feature = "postgres")]
 pub mod inbox;
+#[cfg(feature = "json")]
+mod json;
 mod key;
 mod layer;
 mod mode;
@@ -282,6 +284,8 @@ pub use extract::MissingIdempotencyKey;
 #[cfg(all(feature = "axum", feature = "postgres"))]
 pub use extract::MissingIdempotentTx;
 pub use fingerprint::Fingerprint;
+#[cfg(feature = "json")]
+pub use fingerprint::JsonFingerprint;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, scope_digest};
 pub use mode::Mode;
