@@ -131,6 +131,8 @@ impl Fingerprinter {
         headers: &[HeaderName],
         body: impl FnOnce() -> Bytes,
     ) -> Fingerprint {
+        #[cfg(not(feature = "json"))]
+        let _ = headers;
         match self.0 {
             State::Raw {
                 mut hasher,
