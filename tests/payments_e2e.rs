@@ -639,7 +639,7 @@ async fn a_retry_with_reordered_json_is_a_replay_and_another_amount_is_422() {
             Method::POST,
             "/payments",
             &headers,
-            "{\n  \"amount_cents\" : 700.0 ,\n  \"order_id\": 5\n}",
+            "{\n  \"amount_cents\" : 700 ,\n  \"order_id\": 5\n}",
         )
         .await;
     expect_replay_of(&reordered, &first);
