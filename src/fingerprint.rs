@@ -453,6 +453,18 @@ mod tests {
         assert_eq!(f.finish(&p, &[], Bytes::new), fingerprint(&p, &[], b"body"));
     }
 
+    /// The raw fingerprint's layout is fixed (stored fingerprints must stay valid): this
+    /// digest was computed independently (Python's hashlib) from the documented layout.
+    #[test]
+    fn raw_fingerprint_layout_is_unchanged() {
+        let tenant = HeaderName::from_static("x-tenant");
+        let fp = fingerprint(&parts("POST", "/p?x=1"), &[tenant], b"body");
+        assert_eq!(
+            hex(fp.as_bytes()),
+            "35862694a7798c601dc265cc39cfcaf78fdbf400e691122dbf2983df754509cd"
+        );
+    }
+
     #[test]
     fn hex_encodes() {
         assert_eq!(hex(&[0x00, 0xab, 0xff]), "00abff");
