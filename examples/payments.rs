@@ -52,6 +52,8 @@
 //! curl -i localhost:3000/payments -H 'Idempotency-Key: 4f1c' -H 'Authorization: Bearer acme' \
 //!      -d '{"order_id": 1, "amount_cents": 1999}'
 //! # run it again: the same answer, with `Idempotent-Replayed: true`, and no second charge
+//! # the same JSON reordered or re-spaced, '{ "amount_cents": 1999, "order_id": 1 }': the same
+//! # replay (JSON bodies are fingerprinted semantically); another amount: 422, no charge
 //! curl localhost:3000/provider/charges              # {"count":1}
 //! curl localhost:3000/orders/1 -H 'Authorization: Bearer acme'
 //! ```
