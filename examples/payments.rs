@@ -52,6 +52,8 @@
 //! curl -i localhost:3000/payments -H 'Idempotency-Key: 4f1c' -H 'Authorization: Bearer acme' \
 //!      -d '{"order_id": 1, "amount_cents": 1999}'
 //! # run it again: the same answer, with `Idempotent-Replayed: true`, and no second charge
+//! # the same JSON reordered or re-spaced, '{ "amount_cents": 1999, "order_id": 1 }': the same
+//! # replay (JSON bodies are fingerprinted semantically); another amount: 422, no charge
 //! curl localhost:3000/provider/charges              # {"count":1}
 //! curl localhost:3000/orders/1 -H 'Authorization: Bearer acme'
 //! ```
@@ -477,6 +479,9 @@ fn app<M: Mode>(
                 "" => None, // the anonymous tenant: the shared scope
                 tenant => Some(format!("tenant:{tenant}")),
             })
+            // A retry that rebuilt its JSON (members reordered, other whitespace) is the
+            // same request; another value is still `422`.
+            .pipe(json_fingerprint)
         }),
     )
     .route_layer(from_fn(authenticate))
@@ -507,6 +512,60 @@ fn app<M: Mode>(
         // Bounds what axum's extractors read, so `IDEMPOTENCY=off` answers 413 alike.
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
 }
+
+/// Fingerprints the JSON bodies of `POST /payments` and `PATCH /orders/{id}` by their
+/// meaning ([`JsonFingerprint`](tower_idempotency::JsonFingerprint), RFC 8785's canonical
+/// form): the handlers read JSON whatever the `Content-Type` (`curl -d` sends a form type),
+/// so every body is read as JSON, and one that is not JSON is compared by its bytes.
+#[cfg(feature = "json")]
+fn json_fingerprint<M>(layer: IdempotencyLayer<M>) -> IdempotencyLayer<M> {
+    layer.with_json_fingerprint(tower_idempotency::JsonFingerprint::new().with_any_content_type())
+}
+
+/// Built without the crate's `json` feature: the same semantics through a fingerprint
+/// function of the example's own, over `serde_json`'s reading of the body (members sorted,
+/// whitespace gone; numbers as `serde_json` keeps them, which is exact for the example's
+/// whole-number amounts and ids).
+#[cfg(not(feature = "json"))]
+fn json_fingerprint<M>(layer: IdempotencyLayer<M>) -> IdempotencyLayer<M> {
+    layer.with_fingerprint_fn(|parts, body| {
+        // Tagged, so that a JSON body and a non-JSON one never share an input.
+        let tagged = match serde_json::from_slice::<serde_json::Value>(body) {
+            Ok(value) => [b"json:".as_slice(), sorted(&value).to_string().as_bytes()].concat(),
+            Err(_) => [b"raw:".as_slice(), body].concat(),
+        };
+        tower_idempotency::fingerprint::fingerprint(parts, &[], &tagged)
+    })
+}
+
+/// `value` with every object's members in order of their names.
+#[cfg(not(feature = "json"))]
+fn sorted(value: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => {
+            let mut members: Vec<_> = map.iter().collect();
+            members.sort_by(|a, b| a.0.cmp(b.0));
+            Value::Object(
+                members
+                    .into_iter()
+                    .map(|(k, v)| (k.clone(), sorted(v)))
+                    .collect(),
+            )
+        }
+        Value::Array(items) => Value::Array(items.iter().map(sorted).collect()),
+        other => other.clone(),
+    }
+}
+
+/// `x.pipe(f)` is `f(x)`, to keep a builder chain in one expression.
+trait Pipe: Sized {
+    fn pipe<T>(self, f: impl FnOnce(Self) -> T) -> T {
+        f(self)
+    }
+}
+
+impl<T> Pipe for T {}
 
 /// Puts `layer` (if any) around the routes of `router`. `route_layer`, not `layer`: unknown
 /// paths stay `404` instead of going through the layer (which would demand a key).

@@ -10,6 +10,7 @@ use http::{HeaderName, Method, Response, request::Parts};
 use sha2::{Digest, Sha256};
 use tower_layer::Layer;
 
+use crate::fingerprint::{self, Fingerprint};
 use crate::rejection::Rejection;
 use crate::response::ReplayedHeaders;
 use crate::service::Idempotency;
@@ -48,6 +49,8 @@ pub(crate) struct Config {
     pub(crate) keep_set_cookie: bool,
     pub(crate) replayed_headers: ReplayedHeaders,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
+    /// How the body (and head) are fingerprinted: raw bytes, canonical JSON, or a function.
+    pub(crate) fingerprint: fingerprint::Method,
     pub(crate) scope: Option<Arc<ScopeFn>>,
     pub(crate) scope_required: bool,
     pub(crate) shared_scope: bool,
@@ -76,6 +79,7 @@ impl Default for Config {
             keep_set_cookie: false,
             replayed_headers: ReplayedHeaders::default(),
             fingerprint_headers: Vec::new(),
+            fingerprint: fingerprint::Method::Raw,
             scope: None,
             scope_required: false,
             shared_scope: false,
@@ -132,6 +136,7 @@ impl fmt::Debug for Config {
             .field("keep_set_cookie", &self.keep_set_cookie)
             .field("replayed_headers", &self.replayed_headers)
             .field("fingerprint_headers", &self.fingerprint_headers)
+            .field("fingerprint", &self.fingerprint)
             .field("scope", &self.scope.is_some())
             .field("scope_required", &self.scope_required)
             .field("shared_scope", &self.shared_scope)
@@ -359,6 +364,66 @@ impl<St> IdempotencyLayer<St> {
     /// such as `Content-Type` or an API version header.
     pub fn with_fingerprint_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.with(|c| c.fingerprint_headers = headers.into_iter().collect())
+    }
+
+    /// Fingerprints JSON bodies by their meaning instead of their bytes (feature `json`, on
+    /// by default): a retry whose JSON has its members in another order or other whitespace
+    /// is a replay, not a `422`; a different value is still a `422`. Fields named by JSON
+    /// Pointer and headers can be left out. Bodies that are not JSON (by `Content-Type`, or
+    /// not valid) are compared by their bytes as before. See [`JsonFingerprint`].
+    ///
+    /// Replaces a [fingerprint function](Self::with_fingerprint_fn) set before. Keys stored
+    /// with the raw fingerprint stay valid for requests whose body is not read as JSON;
+    /// a JSON retry of a key stored before the change gets `422`.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, JsonFingerprint, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_json_fingerprint(JsonFingerprint::new().exclude("/metadata/request_id")?);
+    /// # let _ = layer;
+    /// # Ok::<(), tower_idempotency::fingerprint::InvalidPointer>(())
+    /// ```
+    ///
+    /// [`JsonFingerprint`]: crate::JsonFingerprint
+    #[cfg(feature = "json")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "json")))]
+    pub fn with_json_fingerprint(self, json: fingerprint::JsonFingerprint) -> Self {
+        self.with(|c| c.fingerprint = fingerprint::Method::Json(Arc::new(json)))
+    }
+
+    /// Fingerprints requests with your function, given the request head and the whole body:
+    /// two requests with one key are the same request when it returns the same
+    /// [`Fingerprint`]. It replaces the layer's fingerprint entirely (method, path, query,
+    /// headers and body): include what must not change between a request and its retry.
+    /// [`fingerprint::fingerprint`](crate::fingerprint::fingerprint) and
+    /// [`JsonFingerprint::fingerprint`](crate::JsonFingerprint::fingerprint) compute the
+    /// built-in ones, to delegate to.
+    ///
+    /// It runs once per keyed request, after the body is read and before the store is asked,
+    /// on the task that polls the request: keep it cheap and never block. Stores see a digest
+    /// of its result behind a tag of its own, so it never collides with a built-in
+    /// fingerprint. Replaces a [JSON fingerprint](Self::with_json_fingerprint) set before.
+    ///
+    /// ```
+    /// use sha2::{Digest, Sha256};
+    /// use tower_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore};
+    ///
+    /// // The path and the body, but not the query (a cache-busting parameter, say).
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_fingerprint_fn(|parts, body| {
+    ///     let mut hash = Sha256::new();
+    ///     hash.update(parts.uri.path().as_bytes());
+    ///     hash.update([0]);
+    ///     hash.update(body);
+    ///     Fingerprint::from_bytes(hash.finalize().into())
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn with_fingerprint_fn<F>(self, f: F) -> Self
+    where
+        F: Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync + 'static,
+    {
+        self.with(|c| c.fingerprint = fingerprint::Method::Fn(Arc::new(f)))
     }
 
     /// Derives the scope of a request's key from the **authenticated principal**: the account,

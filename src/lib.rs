@@ -177,10 +177,33 @@
 //! | [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors) | `false` |
 //! | [`with_replayed_set_cookie`](IdempotencyLayer::with_replayed_set_cookie) | `false` |
 //! | [`with_fingerprint_headers`](IdempotencyLayer::with_fingerprint_headers) | none |
+//! | [`with_json_fingerprint`](IdempotencyLayer::with_json_fingerprint) (feature `json`) / [`with_fingerprint_fn`](IdempotencyLayer::with_fingerprint_fn) | the raw bytes of the body |
 //! | [`with_cancel_on_disconnect`](IdempotencyLayer::with_cancel_on_disconnect) | `false`: a started handler runs to its end |
 //! | [`with_wait_for_completion`](IdempotencyLayer::with_wait_for_completion) | none: a duplicate of a request in flight gets `409` at once |
 //! | [`with_max_waiters`](IdempotencyLayer::with_max_waiters) | 1024 waiting duplicates per layer |
 //! | [`with_rejection_handler`](IdempotencyLayer::with_rejection_handler) | problem+json |
+//!
+//! # JSON bodies
+//!
+//! By default the fingerprint covers the body's bytes, so a client that rebuilds its JSON on
+//! a retry (members in another order, other whitespace) gets `422`. With
+//! [`with_json_fingerprint`](IdempotencyLayer::with_json_fingerprint) (feature `json`, on by
+//! default, no dependencies) a JSON body is fingerprinted by its canonical form (RFC 8785,
+//! with numbers kept exact where a double would round them): the same object is a replay,
+//! another value still `422`. Fields named by JSON Pointer (`/metadata/request_id`) and
+//! named headers can be left out; a body that is not JSON, or not of a JSON `Content-Type`,
+//! falls back to its raw bytes. [`with_fingerprint_fn`](IdempotencyLayer::with_fingerprint_fn)
+//! takes a function of your own instead. See `JsonFingerprint`.
+//!
+//! ```
+//! # #[cfg(feature = "json")] {
+//! use tower_idempotency::{IdempotencyLayer, JsonFingerprint, MemoryStore};
+//!
+//! let layer = IdempotencyLayer::new(MemoryStore::new())
+//!     .with_json_fingerprint(JsonFingerprint::new().exclude("/metadata/request_id").unwrap());
+//! # let _ = layer;
+//! # }
+//! ```
 //!
 //! # Layer ordering
 //!
@@ -261,6 +284,8 @@ pub mod fingerprint;
 pub mod future;
 #[cfg(feature = "postgres")]
 pub mod inbox;
+#[cfg(feature = "json")]
+mod json;
 mod key;
 mod layer;
 mod mode;
@@ -283,6 +308,8 @@ pub use extract::MissingIdempotencyKey;
 #[cfg(all(feature = "axum", feature = "postgres"))]
 pub use extract::MissingIdempotentTx;
 pub use fingerprint::Fingerprint;
+#[cfg(feature = "json")]
+pub use fingerprint::JsonFingerprint;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, scope_digest};
 pub use mode::Mode;

@@ -451,9 +451,22 @@ where
         record(Outcome::Rejected);
         render(config, &rejection)
     })?;
-    let mut fingerprinter = Fingerprinter::new(parts, &config.fingerprint_headers);
+    let headers = &config.fingerprint_headers;
+    let mut fingerprinter = Fingerprinter::new(parts, headers, &config.fingerprint);
     match read_body(body, &mut fingerprinter, config.max_request_body).await {
-        Ok(buffered) => Ok((scope, fingerprinter.finish(), buffered)),
+        Ok(mut buffered) => {
+            let chunks = &mut buffered.chunks;
+            // A fingerprint that needs the whole body at once gets it as one `Bytes`, which
+            // then stays the body the handler reads.
+            let fingerprint = fingerprinter.finish(parts, headers, || {
+                let whole = std::mem::take(chunks).into_bytes();
+                if !whole.is_empty() {
+                    chunks.push(whole.clone());
+                }
+                whole
+            });
+            Ok((scope, fingerprint, buffered))
+        }
         Err(rejection) => {
             record(Outcome::Rejected);
             Err(render(config, &rejection))

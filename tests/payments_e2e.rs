@@ -614,6 +614,88 @@ async fn the_same_key_with_another_body_is_422_and_the_stored_answer_stays() {
     assert_eq!(api.order(None, 4).await, order_json(4, 0, 0, None));
 }
 
+/// JSON bodies are fingerprinted semantically: a retry that rebuilt its JSON (members
+/// reordered, other whitespace) is a replay; another amount is still `422`.
+#[tokio::test]
+async fn a_retry_with_reordered_json_is_a_replay_and_another_amount_is_422() {
+    let server = Server::start(&[]);
+    let api = server.api();
+    let headers = [
+        ("idempotency-key", "json-1"),
+        ("authorization", "Bearer acme"),
+    ];
+
+    let first = api
+        .send(
+            Method::POST,
+            "/payments",
+            &headers,
+            r#"{"order_id":5,"amount_cents":700}"#,
+        )
+        .await;
+    expect_new_payment(&first, 5, 700);
+    let reordered = api
+        .send(
+            Method::POST,
+            "/payments",
+            &headers,
+            "{\n  \"amount_cents\" : 700 ,\n  \"order_id\": 5\n}",
+        )
+        .await;
+    expect_replay_of(&reordered, &first);
+    let other = api
+        .send(
+            Method::POST,
+            "/payments",
+            &headers,
+            r#"{"amount_cents":701,"order_id":5}"#,
+        )
+        .await;
+    other.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(api.charges().await, 1, "the provider charged once");
+
+    let patch = [
+        ("idempotency-key", "json-2"),
+        ("authorization", "Bearer acme"),
+    ];
+    let address = api
+        .send(
+            Method::PATCH,
+            "/orders/5",
+            &patch,
+            r#"{"shipping_address":"1 Main St"}"#,
+        )
+        .await;
+    address.expect_json(StatusCode::OK);
+    let again = api
+        .send(
+            Method::PATCH,
+            "/orders/5",
+            &patch,
+            "{ \"shipping_address\" :\t\"1 Main St\" }",
+        )
+        .await;
+    expect_replay_of(&again, &address);
+    let moved = api
+        .send(
+            Method::PATCH,
+            "/orders/5",
+            &patch,
+            r#"{"shipping_address":"2 Side St"}"#,
+        )
+        .await;
+    moved.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+    let elsewhere = api
+        .send(
+            Method::PATCH,
+            "/orders/6",
+            &patch,
+            r#"{"shipping_address":"1 Main St"}"#,
+        )
+        .await;
+    elsewhere.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+}
+
 #[tokio::test]
 async fn keys_are_scoped_per_tenant() {
     let server = Server::start(&[]);

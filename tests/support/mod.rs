@@ -596,6 +596,9 @@ fn build_example(name: &str, profile_dir: &std::path::Path) {
     if cfg!(feature = "metrics") {
         features.push("metrics");
     }
+    if cfg!(feature = "json") {
+        features.push("json");
+    }
     cargo
         .arg("--no-default-features")
         .arg("--features")
