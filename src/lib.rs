@@ -289,6 +289,8 @@ pub use plain::Lease;
 pub use rejection::Rejection;
 pub use response::{IDEMPOTENT_REPLAYED, ReplayedHeaders, StoredResponse};
 pub use service::Idempotency;
+#[cfg(feature = "redis")]
+pub use store::RedisStore;
 pub use store::{
     ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, WhenFull, spawn_purge_task,
 };

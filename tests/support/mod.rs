@@ -18,6 +18,8 @@ use tower_idempotency::body::RequestBody;
 pub mod cluster;
 pub mod faults;
 pub mod proxy;
+#[cfg(feature = "redis")]
+pub mod redis_support;
 
 /// The server the Postgres tests use: `DATABASE_URL`, or the local service. Admin work
 /// (creating and dropping schemas, roles and databases) and the tests' own inspections always
