@@ -598,6 +598,9 @@ fn build_example(name: &str, profile_dir: &std::path::Path) {
     if cfg!(feature = "metrics") {
         features.push("metrics");
     }
+    if cfg!(feature = "redis") {
+        features.push("redis");
+    }
     cargo
         .arg("--no-default-features")
         .arg("--features")
