@@ -64,6 +64,7 @@
 //! |---|---|---|
 //! | `BIND` | `127.0.0.1:3000` | address to listen on (port `0`: any free port) |
 //! | `DATABASE_URL` | unset | unset: everything in memory. Set: Postgres store (migrated at start) in transactional mode; data in `example_*` tables, written in the same transaction as the key |
+//! | `REDIS_URL` | unset | with `DATABASE_URL` unset: the idempotency keys in Redis ([`RedisStore`], plain mode; needs the `redis` feature), shared by every instance pointed at it; payments stay in memory. Refuses to start on a Redis whose `maxmemory-policy` evicts keys |
 //! | `IDEMPOTENCY_TTL_SECS` | `86400` | how long a key is remembered ([`IdempotencyLayer::with_ttl`]) |
 //! | `IDEMPOTENCY_LEASE_MS` | `30000` | how long a claim holds a key ([`IdempotencyLayer::with_lease`]); in memory only: in Postgres a claim lasts as long as its transaction |
 //! | `IDEMPOTENCY_STORE_TIMEOUT_MS` | `5000` | the longest one store call may take ([`IdempotencyLayer::with_store_timeout`]; in Postgres also the store's own `statement_timeout`): a store that does not answer in time is answered `503` with `Retry-After` |
@@ -135,6 +136,8 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool, Postgres, Row as _, Transaction};
 use tower::Layer as _;
 use tower::ServiceExt as _;
+#[cfg(feature = "redis")]
+use tower_idempotency::RedisStore;
 use tower_idempotency::client::{IdempotentClient, IdempotentClientLayer, ReplayBody};
 use tower_idempotency::{
     IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, IdempotentTx, MemoryStore, Mode,
@@ -153,6 +156,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 struct Config {
     bind: String,
     database_url: Option<String>,
+    /// `REDIS_URL`: the idempotency keys in Redis (plain mode) when `DATABASE_URL` is unset.
+    redis_url: Option<String>,
     ttl: Duration,
     lease: Duration,
     store_timeout: Duration,
@@ -183,6 +188,7 @@ impl Config {
             bind: var("BIND")?.unwrap_or_else(|| "127.0.0.1:3000".to_owned()),
             // An empty DATABASE_URL counts as unset, as it does for most tools.
             database_url: var("DATABASE_URL")?.filter(|url| !url.is_empty()),
+            redis_url: var("REDIS_URL")?.filter(|url| !url.is_empty()),
             ttl: Duration::from_secs(positive("IDEMPOTENCY_TTL_SECS", 86_400)?),
             lease: Duration::from_millis(positive("IDEMPOTENCY_LEASE_MS", 30_000)?),
             store_timeout: Duration::from_millis(positive("IDEMPOTENCY_STORE_TIMEOUT_MS", 5_000)?),
@@ -318,11 +324,18 @@ async fn serve(config: Config) -> Result<(), BoxError> {
             let router = app(&config, &storage, store.transactional(), provider_store);
             (router, purge)
         }
-        _ => {
-            let store = MemoryStore::new();
-            let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH);
-            (app(&config, &storage, store.clone(), store), purge)
-        }
+        _ => match &config.redis_url {
+            Some(url) if config.idempotency => {
+                let store = redis_store(url, &config).await?;
+                let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH);
+                (app(&config, &storage, store.clone(), store), purge)
+            }
+            _ => {
+                let store = MemoryStore::new();
+                let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH);
+                (app(&config, &storage, store.clone(), store), purge)
+            }
+        },
     };
 
     let listener = tokio::net::TcpListener::bind(&config.bind)
@@ -349,6 +362,43 @@ async fn serve(config: Config) -> Result<(), BoxError> {
     storage.close().await;
     tracing::info!("payments example stopped");
     Ok(())
+}
+
+/// The idempotency keys in Redis (`REDIS_URL`, `DATABASE_URL` unset): plain mode, shared by
+/// every instance pointed at the same Redis; the payments stay in this process's memory.
+///
+/// Refuses to start on a Redis that evicts keys (it could drop a key in progress, and its
+/// retry would charge twice). A Redis that does not answer at start is not a reason to
+/// refuse: requests with a key are answered `503` until it does.
+#[cfg(feature = "redis")]
+async fn redis_store(url: &str, config: &Config) -> Result<RedisStore, BoxError> {
+    let mut store = RedisStore::open(url)
+        .map_err(|e| format!("invalid REDIS_URL: {e}"))?
+        .with_timeout(config.store_timeout);
+    if !config.wait.is_zero() {
+        let client = redis::Client::open(url).map_err(|e| format!("invalid REDIS_URL: {e}"))?;
+        store = store.with_notifications(client);
+    }
+    match store.check_eviction_policy().await {
+        Ok(()) => {}
+        Err(e @ tower_idempotency::StoreError::Misconfigured(_)) => {
+            return Err(format!("REDIS_URL: {e}").into());
+        }
+        Err(e) => tracing::warn!(
+            error = &e as &dyn std::error::Error,
+            "cannot check Redis's eviction policy; answering 503 until Redis answers"
+        ),
+    }
+    Ok(store)
+}
+
+#[cfg(not(feature = "redis"))]
+async fn redis_store(_url: &str, _config: &Config) -> Result<MemoryStore, BoxError> {
+    Err(
+        "REDIS_URL is set, but the example was built without the `redis` feature \
+         (cargo run --features redis --example payments)"
+            .into(),
+    )
 }
 
 /// A future that completes on `SIGTERM` or `SIGINT` (Ctrl-C). The handlers are installed

@@ -154,6 +154,81 @@ or sudo rabbitmq-server -detached) and run ./scripts/test.sh again."
 }
 ensure_rabbitmq
 
+# Redis (feature redis): the single server at REDIS_URL (default redis://127.0.0.1:6379) and a
+# Redis Cluster of three masters and three replicas on 127.0.0.1:21001-21006
+# (TI_REDIS_CLUSTER_URLS). Whatever is not running is started here (installing redis-server
+# first when run as root on Debian/Ubuntu) and stopped on exit; the Redis tests never skip.
+ensure_redis_binaries() {
+    command -v redis-server >/dev/null && command -v redis-cli >/dev/null && return 0
+    if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "scripts/test.sh: Redis is not installed; installing it with apt-get" >&2
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    else
+        die "redis-server and redis-cli are not installed; the Redis tests need them.
+Install Redis (Debian/Ubuntu: sudo apt-get install redis-server; macOS: brew install redis)
+and run ./scripts/test.sh again, or set REDIS_URL and TI_REDIS_CLUSTER_URLS to servers you run."
+    fi
+}
+
+ensure_redis() {
+    local redis="${REDIS_URL:-redis://127.0.0.1:6379}" host port rest dir
+    rest="${redis#*://}"
+    rest="${rest#*@}"
+    rest="${rest%%/*}"
+    host="${rest%%:*}"
+    port=6379
+    [[ "$rest" == *:* ]] && port="${rest##*:}"
+    if ! port_open "$host" "$port"; then
+        [[ -n "${REDIS_URL:-}" ]] && die "REDIS_URL=$REDIS_URL does not answer. Start that server, or unset
+REDIS_URL to let this script start a local one."
+        dir="$(mktemp -d "${TMPDIR:-/tmp}/tower-idempotency-redis.XXXXXX")"
+        echo "scripts/test.sh: starting redis-server on 127.0.0.1:$port" >&2
+        redis-server --port "$port" --bind 127.0.0.1 --daemonize yes --dir "$dir" \
+            --save "" --appendonly no --logfile "$dir/log" --pidfile "$dir/pid" >/dev/null
+        on_exit+=("$(printf 'redis-cli -p %q shutdown nosave >/dev/null 2>&1; rm -rf %q' "$port" "$dir")")
+        for _ in $(seq 1 50); do port_open 127.0.0.1 "$port" && break; sleep 0.1; done
+        port_open 127.0.0.1 "$port" || die "redis-server did not start (see $dir/log)"
+    fi
+    export REDIS_URL="$redis"
+
+    [[ -n "${TI_REDIS_CLUSTER_URLS:-}" ]] && return 0
+    local ports=(21001 21002 21003 21004 21005 21006) p up=1
+    for p in "${ports[@]}"; do port_open 127.0.0.1 "$p" || up=0; done
+    if [[ $up -eq 0 ]]; then
+        for p in "${ports[@]}"; do
+            port_open 127.0.0.1 "$p" && die "port $p is taken but the cluster is not complete; stop what runs there or set TI_REDIS_CLUSTER_URLS"
+        done
+        dir="$(mktemp -d "${TMPDIR:-/tmp}/tower-idempotency-redis-cluster.XXXXXX")"
+        echo "scripts/test.sh: starting a Redis Cluster on 127.0.0.1:21001-21006" >&2
+        for p in "${ports[@]}"; do
+            mkdir -p "$dir/$p"
+            redis-server --port "$p" --bind 127.0.0.1 --cluster-enabled yes \
+                --cluster-config-file "$dir/$p/nodes.conf" --cluster-node-timeout 2000 \
+                --daemonize yes --dir "$dir/$p" --save "" --appendonly no \
+                --logfile "$dir/$p/log" >/dev/null
+            on_exit+=("$(printf 'redis-cli -p %q shutdown nosave >/dev/null 2>&1' "$p")")
+        done
+        on_exit+=("$(printf 'rm -rf %q' "$dir")")
+        for p in "${ports[@]}"; do
+            for _ in $(seq 1 50); do port_open 127.0.0.1 "$p" && break; sleep 0.1; done
+        done
+        # shellcheck disable=SC2046
+        redis-cli --cluster create $(printf '127.0.0.1:%s ' "${ports[@]}") \
+            --cluster-replicas 1 --cluster-yes >"$dir/create.log" 2>&1 ||
+            die "redis-cli --cluster create failed (see $dir/create.log)"
+        for _ in $(seq 1 100); do
+            redis-cli -p 21001 cluster info 2>/dev/null | grep -q 'cluster_state:ok' && break
+            sleep 0.1
+        done
+    fi
+    TI_REDIS_CLUSTER_URLS="$(printf 'redis://127.0.0.1:%s,' "${ports[@]}")"
+    export TI_REDIS_CLUSTER_URLS="${TI_REDIS_CLUSTER_URLS%,}"
+}
+ensure_redis_binaries
+ensure_redis
+echo "scripts/test.sh: Redis tests use $REDIS_URL and the cluster at $TI_REDIS_CLUSTER_URLS" >&2
+
 cargo test --all-features --all-targets
 cargo test --all-features --doc
 

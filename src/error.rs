@@ -32,6 +32,11 @@ pub enum StoreError {
     /// handler runs, the layer answers it `503` with `Retry-After`.
     #[error("idempotency store is full")]
     Full,
+    /// The backend is configured in a way that breaks the store's guarantees (a Redis that
+    /// evicts keys: see
+    /// [`RedisStore::check_eviction_policy`](crate::RedisStore::check_eviction_policy)).
+    #[error("idempotency store is misconfigured: {0}")]
+    Misconfigured(String),
 }
 
 impl StoreError {

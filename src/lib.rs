@@ -135,6 +135,11 @@
 //!   [`migrate`](PostgresStore::migrate) at start. Times are computed by Postgres, so
 //!   instances with skewed clocks agree. A replay costs one statement, a first request two
 //!   (with the default [`ClaimStrategy`]).
+//! - `RedisStore` (feature `redis`): a single Redis or a Redis Cluster shared by every
+//!   instance, plain mode only. Each operation is one Lua script on the server, with the
+//!   server's clock; a replay and a claim each cost one round trip. Redis replicates
+//!   asynchronously: a master's failover can lose a completion (its retry then runs again)
+//!   unless completions wait for replicas (`with_wait_replicas`).
 //! - Your own: implement [`Store`].
 //!
 //! Expired keys are deleted by [`Store::purge_expired`] in bounded batches; [`spawn_purge_task`]
@@ -317,6 +322,8 @@ pub use plain::Lease;
 pub use rejection::Rejection;
 pub use response::{IDEMPOTENT_REPLAYED, ReplayedHeaders, StoredResponse};
 pub use service::Idempotency;
+#[cfg(feature = "redis")]
+pub use store::RedisStore;
 pub use store::{
     ClaimOutcome, ClaimRequest, LeaseToken, MemoryStore, Store, WhenFull, spawn_purge_task,
 };

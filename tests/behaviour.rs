@@ -1,4 +1,5 @@
-//! The behaviour suite: written once, run against every store (`memory::*`, `postgres::*`).
+//! The behaviour suite: written once, run against every store (`memory::*`, `postgres::*`,
+//! and with the `redis` feature `redis::*` and `redis_cluster::*`).
 #![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
 
 mod support;
@@ -100,6 +101,52 @@ impl Fixture for Postgres {
         self.store.pool().close().await;
         self.schema.drop_schema().await;
     }
+}
+
+/// A Redis store (feature `redis`) with a key prefix of its own: on the single server, or on
+/// the cluster. The second instance is another connection with the same prefix.
+#[cfg(feature = "redis")]
+struct Redis {
+    prefix: String,
+    cluster: bool,
+    store: tower_idempotency::RedisStore,
+}
+
+#[cfg(feature = "redis")]
+impl Redis {
+    async fn on(cluster: bool) -> Self {
+        let prefix = support::redis_support::prefix();
+        let store = if cluster {
+            support::redis_support::cluster_store(&prefix).await
+        } else {
+            support::redis_support::connected_store(&prefix).await
+        };
+        Redis {
+            prefix,
+            cluster,
+            store,
+        }
+    }
+}
+
+#[cfg(feature = "redis")]
+impl Fixture for Redis {
+    type Store = tower_idempotency::RedisStore;
+    async fn new() -> Self {
+        Redis::on(false).await
+    }
+    fn store(&self) -> Self::Store {
+        self.store.clone()
+    }
+    async fn second_instance(&self) -> Self::Store {
+        if self.cluster {
+            support::redis_support::cluster_store(&self.prefix).await
+        } else {
+            // Connected lazily, as an app instance starting up would be.
+            support::redis_support::store(&self.prefix)
+        }
+    }
+    async fn cleanup(self) {}
 }
 
 /// The layer as the tests configure it by default: keys scoped by `x-tenant`.
@@ -987,6 +1034,30 @@ macro_rules! suite {
                 async fn $name() {
                     use super::Fixture;
                     let fx = super::Postgres::prepared().await;
+                    super::$name(&fx).await;
+                    fx.cleanup().await;
+                }
+            )*
+        }
+        #[cfg(feature = "redis")]
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    use super::Fixture;
+                    let fx = super::Redis::on(false).await;
+                    super::$name(&fx).await;
+                    fx.cleanup().await;
+                }
+            )*
+        }
+        #[cfg(feature = "redis")]
+        mod redis_cluster {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    use super::Fixture;
+                    let fx = super::Redis::on(true).await;
                     super::$name(&fx).await;
                     fx.cleanup().await;
                 }

@@ -55,6 +55,47 @@ async fn the_postgres_store_with_prepared_statements_conforms() {
     schema.drop_schema().await;
 }
 
+/// Two instances: two connections to one Redis, one prefix; wake-ups on.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_store_conforms() {
+    use support::redis_support as r;
+    let prefix = r::prefix();
+    let first = r::connected_store(&prefix)
+        .await
+        .with_notifications(r::client());
+    let second = r::store(&prefix).with_notifications(r::client());
+    let passed = testing::check_all(first, second).await.unwrap();
+    assert_eq!(passed, ALL);
+}
+
+/// Without wake-ups (waiters poll), as by default.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_store_without_notifications_conforms() {
+    use support::redis_support as r;
+    let prefix = r::prefix();
+    let store = r::connected_store(&prefix).await;
+    let passed = testing::check_all(store.clone(), store).await.unwrap();
+    assert_eq!(passed, ALL);
+}
+
+/// Two instances on a Redis Cluster (three masters, three replicas); wake-ups on.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_cluster_store_conforms() {
+    use support::redis_support as r;
+    let prefix = r::prefix();
+    let first = r::cluster_store(&prefix)
+        .await
+        .with_notifications(r::cluster_client());
+    let second = r::cluster_store(&prefix)
+        .await
+        .with_notifications(r::cluster_client());
+    let passed = testing::check_all(first, second).await.unwrap();
+    assert_eq!(passed, ALL);
+}
+
 /// A store that breaks the contract is caught, and the failure names the check.
 #[tokio::test]
 async fn a_store_that_forgets_answers_fails_the_suite() {

@@ -54,6 +54,7 @@ const EXAMPLE_VARS: &[&str] = &[
     "IDEMPOTENCY",
     "IDEMPOTENCY_WAIT_MS",
     "PROVIDER_URL",
+    "REDIS_URL",
 ];
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -2350,4 +2351,90 @@ async fn a_provider_4xx_is_not_retried_and_409_429_503_are() {
         "{sent}"
     );
     assert!(sent.len() <= 255);
+}
+
+// ---------------------------------------------------------------------------------------------
+// REDIS_URL (feature redis): the keys in Redis, the payments in each process's memory.
+
+/// A key no other run meets in the shared Redis (the example uses the default prefix).
+#[cfg(feature = "redis")]
+fn redis_key(name: &str) -> String {
+    format!("{name}-{}", support::unique())
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_two_processes_replay_each_others_answers() {
+    let url = support::redis_support::redis_url();
+    let one = Server::start(&[("REDIS_URL", &url)]);
+    let two = Server::start(&[("REDIS_URL", &url)]);
+    let key = redis_key("shared");
+    let headers = [
+        ("idempotency-key", key.as_str()),
+        ("authorization", "Bearer acme"),
+    ];
+
+    let first = one.api().pay(&headers, 42, 1999).await;
+    expect_new_payment(&first, 42, 1999);
+    // The other process never saw this payment, yet replays its answer byte for byte.
+    let again = two.api().pay(&headers, 42, 1999).await;
+    expect_replay_of(&again, &first);
+    assert_eq!(
+        two.api().charges().await,
+        0,
+        "the second process charged nothing"
+    );
+    assert_eq!(one.api().charges().await, 1);
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_a_duplicate_in_flight_is_409_and_another_body_is_422() {
+    let url = support::redis_support::redis_url();
+    let one = Server::start(&[("REDIS_URL", &url), ("CHARGE_DELAY_MS", "1500")]);
+    let two = Server::start(&[("REDIS_URL", &url)]);
+    let key = redis_key("in-flight");
+    let headers = [("idempotency-key", key.as_str())];
+    let slow = {
+        let api = one.api();
+        let headers = [("idempotency-key", key.clone())];
+        tokio::spawn(async move {
+            let h = [("idempotency-key", headers[0].1.as_str())];
+            api.pay(&h, 7, 500).await
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let busy = two.api().pay(&headers, 7, 500).await;
+    let kind = busy.expect_problem(StatusCode::CONFLICT);
+    assert!(kind.ends_with("request-in-progress"), "{kind}");
+    let first = slow.await.unwrap();
+    expect_new_payment(&first, 7, 500);
+    let other = two.api().pay(&headers, 7, 501).await;
+    let kind = other.expect_problem(StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(kind.ends_with("key-reused"), "{kind}");
+    expect_replay_of(&two.api().pay(&headers, 7, 500).await, &first);
+}
+
+/// A Redis that does not answer: the example starts, and keyed requests are `503` (with
+/// `Retry-After`), never run without their key.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_down_is_503() {
+    // Nothing listens on a port just freed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("redis://127.0.0.1:{port}");
+    let server = Server::start(&[
+        ("REDIS_URL", &url),
+        ("IDEMPOTENCY_STORE_TIMEOUT_MS", "2000"),
+    ]);
+    let api = server.api();
+    let key = redis_key("down");
+    let reply = api.pay(&[("idempotency-key", key.as_str())], 1, 100).await;
+    reply.expect_problem(StatusCode::SERVICE_UNAVAILABLE);
+    assert!(reply.header("retry-after").is_some(), "{reply:?}");
+    assert_eq!(api.charges().await, 0, "nothing ran");
 }

@@ -1,5 +1,5 @@
-//! Where keys live: the [`Store`] contract, [`MemoryStore`] and (feature `postgres`)
-//! [`PostgresStore`].
+//! Where keys live: the [`Store`] contract, [`MemoryStore`], (feature `postgres`)
+//! [`PostgresStore`] and (feature `redis`) [`RedisStore`].
 //!
 //! A store keeps one record per (scope, key). A record is either **in progress** (a request
 //! holds it under a lease and a fencing token) or **completed** (it holds the response to
@@ -43,9 +43,13 @@ mod memory;
 mod notify;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
+#[cfg(feature = "redis")]
+mod redis;
 #[cfg(feature = "postgres")]
 pub(crate) mod sql;
 
+#[cfg(feature = "redis")]
+pub use self::redis::RedisStore;
 pub use memory::{MemoryStore, WhenFull};
 pub use notify::{KeyNotifier, KeyWatch};
 #[cfg(feature = "postgres")]

@@ -18,6 +18,8 @@ use tower_idempotency::body::RequestBody;
 pub mod cluster;
 pub mod faults;
 pub mod proxy;
+#[cfg(feature = "redis")]
+pub mod redis_support;
 
 /// The server the Postgres tests use: `DATABASE_URL`, or the local service. Admin work
 /// (creating and dropping schemas, roles and databases) and the tests' own inspections always
@@ -598,6 +600,9 @@ fn build_example(name: &str, profile_dir: &std::path::Path) {
     }
     if cfg!(feature = "json") {
         features.push("json");
+    }
+    if cfg!(feature = "redis") {
+        features.push("redis");
     }
     cargo
         .arg("--no-default-features")

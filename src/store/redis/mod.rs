@@ -1,0 +1,840 @@
+//! [`RedisStore`]: keys in Redis or Redis Cluster (feature `redis`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster_async::ClusterConnection;
+use ::redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
+use ::redis::{Cmd, RedisError, RedisFuture, Value};
+use bytes::Bytes;
+use http::StatusCode;
+use sha2::{Digest, Sha256};
+
+use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store};
+use crate::error::StoreError;
+use crate::key::IdempotencyKey;
+use crate::response::StoredResponse;
+
+mod scripts;
+mod subscribe;
+
+use scripts::Scripts;
+use subscribe::RedisNotifier;
+
+/// The default bound of each call to Redis ([`RedisStore::with_timeout`]).
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The default grace ([`RedisStore::with_grace`]).
+const DEFAULT_GRACE: Duration = Duration::from_secs(24 * 3600);
+/// The default prefix of the store's keys ([`RedisStore::with_prefix`]).
+const DEFAULT_PREFIX: &str = "tower-idempotency:";
+
+/// A store in Redis (a single server, or a Redis Cluster), shared by every app instance that
+/// uses it. Plain mode only: Redis has no transaction that could hold the handler's own
+/// writes, so there is no transactional mode on Redis.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use tower_idempotency::{IdempotencyLayer, RedisStore};
+///
+/// let store = RedisStore::open("redis://127.0.0.1:6379")?;
+/// store.check_eviction_policy().await?; // refuse to start on an evicting Redis
+/// let layer = IdempotencyLayer::new(store);
+/// # let _ = layer; Ok(()) }
+/// ```
+///
+/// # Atomicity and clocks
+///
+/// Claim, complete, release, renew and the purge's delete are each one Lua script (sent with
+/// `EVALSHA`, loaded again if the server's script cache was flushed), so each runs atomically
+/// on the server: of fifty racing claims of a key, one is acquired. Every time (leases,
+/// expiry, tokens) is the server's: `TIME` inside the script, and `PEXPIREAT` / `PXAT`
+/// relative to it. App instances with skewed clocks agree.
+///
+/// # Keys
+///
+/// A record lives under `<prefix>{<digest>}:r`, a hash; its fence under
+/// `<prefix>{<digest>}:f`, a string holding the last token given for the key. The digest is
+/// the first 128 bits of SHA-256 of the scope and the key, in hex: a fixed length whatever
+/// the scope and key hold, and no braces, so the hash tag is always the digest and a record
+/// and its fence share one Cluster slot (scripts touch only their own slot). Records of
+/// different keys spread over all slots: nothing is shared between keys, not even a token
+/// counter.
+///
+/// # Fencing tokens
+///
+/// A claim's token is `max(last + 1, now_µs)`, where `last` is the highest token given for
+/// the key so far (kept in the record and in its fence) and `now_µs` is the server's time
+/// in microseconds. Why a stale owner can never act after another claim:
+///
+/// 1. complete, renew and release act only when the record is in progress and its `tok`
+///    equals the caller's token, checked and written in one script;
+/// 2. while the fence exists, each new token of the key is greater than every earlier one
+///    (`last + 1`), so it differs from every token ever handed out for the key;
+/// 3. the fence outlives the record by the grace ([`with_grace`](Self::with_grace), 24 h)
+///    and is written by every script that changes the record. Once it is gone, the key has
+///    had no record for a grace; a new token is then at least the server's time, which is
+///    past every earlier token of the key (each was at most its claim's time plus the number
+///    of claims that ran ahead of the clock, a few microseconds) unless the server's clock
+///    went back by more than the grace.
+///
+/// Tokens are unique per key (all the contract needs: a token is always presented with its
+/// key), not across keys: two keys claimed in the same microsecond get the same token.
+///
+/// # Expiry and memory
+///
+/// A completed record leaves by Redis's own expiry at the end of its TTL. An in-progress
+/// record stays a grace past its logical end, so that an owner that stalled past its lease
+/// and TTL, with nobody claiming the key, can still renew or complete it (as the
+/// [`Store`] contract says); [`purge_expired`](Store::purge_expired) deletes such records
+/// early (it `SCAN`s the store's prefix on every master: run it rarely, or never). Each key
+/// thus costs two Redis keys: the record (with its answer) and the fence (a few dozen
+/// bytes), the fence lasting a grace longer.
+///
+/// **Eviction**: with `maxmemory` set and a `maxmemory-policy` other than `noeviction`, Redis
+/// may drop any record under memory pressure, an in-progress one included: a retry then runs
+/// the handler again. [`check_eviction_policy`](Self::check_eviction_policy) refuses such a
+/// server.
+///
+/// # Durability
+///
+/// Redis acknowledges a write before its replicas have it. If a master fails before
+/// replicating a completion, the promoted replica does not have it: the key is in progress
+/// (or absent) there, and a retry after the lease runs the handler again.
+/// [`with_wait_replicas`](Self::with_wait_replicas) makes a completion wait for replicas
+/// (`WAIT`) and count as stored only when they have it. Persistence (AOF, RDB) is the
+/// server's configuration.
+///
+/// # Bounds and errors
+///
+/// Each call is bounded by [`with_timeout`](Self::with_timeout) (5 s), which becomes
+/// [`StoreError::Timeout`]; a connection error is [`StoreError::Backend`]. Either way, the
+/// layer answers `503` before the handler runs.
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: Conn,
+    scripts: Arc<Scripts>,
+    prefix: Arc<str>,
+    timeout: Duration,
+    grace: Duration,
+    wait: Option<(usize, Duration)>,
+    notifier: Option<Arc<RedisNotifier>>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("cluster", &matches!(self.conn, Conn::Cluster(_)))
+            .field("prefix", &&*self.prefix)
+            .field("timeout", &self.timeout)
+            .field("grace", &self.grace)
+            .field("wait_replicas", &self.wait)
+            .field("notifications", &self.notifier.is_some())
+            .finish()
+    }
+}
+
+/// A connection to a single server or to a cluster.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a ::redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+impl RedisStore {
+    /// A store on a single Redis server, through a connection manager (which reconnects by
+    /// itself).
+    pub fn new(conn: ConnectionManager) -> Self {
+        Self::with_conn(Conn::Single(conn))
+    }
+
+    /// A store on a Redis Cluster.
+    pub fn cluster(conn: ClusterConnection) -> Self {
+        Self::with_conn(Conn::Cluster(conn))
+    }
+
+    /// A store on the single server at `url` (`redis://host:port/db`), connected lazily: the
+    /// first call connects, and a server that is down answers calls with errors (`503`)
+    /// rather than failing here.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when `url` is not a Redis URL.
+    pub fn open(url: &str) -> Result<Self, StoreError> {
+        let client = ::redis::Client::open(url).map_err(StoreError::backend)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(DEFAULT_TIMEOUT))
+            .set_response_timeout(Some(DEFAULT_TIMEOUT))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(500));
+        let manager =
+            ConnectionManager::new_lazy_with_config(client, config).map_err(StoreError::backend)?;
+        Ok(Self::new(manager))
+    }
+
+    fn with_conn(conn: Conn) -> Self {
+        Self {
+            conn,
+            scripts: Arc::new(Scripts::new()),
+            prefix: DEFAULT_PREFIX.into(),
+            timeout: DEFAULT_TIMEOUT,
+            grace: DEFAULT_GRACE,
+            wait: None,
+            notifier: None,
+        }
+    }
+
+    /// The prefix of the store's keys (default `tower-idempotency:`), so that several
+    /// applications (or tests) share one Redis without meeting. Braces are replaced by `_`:
+    /// the hash tag must be the record's digest.
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        let prefix: String = prefix
+            .into()
+            .chars()
+            .map(|c| if c == '{' || c == '}' { '_' } else { c })
+            .collect();
+        self.prefix = prefix.into();
+        if let Some(n) = &self.notifier {
+            let client = n.client().clone();
+            self = self.with_notifications(client);
+        }
+        self
+    }
+
+    /// The bound of each call to Redis (default 5 s): past it, the call fails with
+    /// [`StoreError::Timeout`] (whether a write took effect is then unknown). Keep it at or
+    /// below the layer's
+    /// [`with_store_timeout`](crate::IdempotencyLayer::with_store_timeout).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long an in-progress record outlives its logical end, and a key's fence its record
+    /// (default 24 h). See [Fencing tokens](Self#fencing-tokens): fencing holds unless the
+    /// server's clock goes back by more than this.
+    pub fn with_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
+    }
+
+    /// Wakes the duplicates waiting for a key
+    /// ([`with_wait_for_completion`](crate::IdempotencyLayer::with_wait_for_completion)) when
+    /// it is completed or released, in every process sharing the store (default: off, and
+    /// waiters poll: they claim again at growing intervals, 20 ms up to 500 ms).
+    ///
+    /// Completions and releases then `PUBLISH` the key's hash on `<prefix>changes`, and the
+    /// store keeps one connection of its own, made from `client` by the first waiter, that
+    /// subscribes to it. In a cluster, `client` may point at any node: Redis Cluster carries
+    /// `PUBLISH` to every node (which costs every node a little for each completion). While
+    /// the subscriber is not connected, waiters poll.
+    pub fn with_notifications(mut self, client: ::redis::Client) -> Self {
+        let channel = format!("{}changes", self.prefix);
+        self.notifier = Some(Arc::new(RedisNotifier::new(client, channel)));
+        self
+    }
+
+    /// Makes each completion wait (`WAIT numreplicas timeout`) until `replicas` replicas
+    /// acknowledge it, at most `timeout` (default: no wait). A completion that fewer replicas
+    /// acknowledged in time fails with [`StoreError::Backend`]: the layer logs it and the
+    /// client gets the handler's answer all the same. The record is completed on the master
+    /// either way, but only an acknowledged completion survives the master's failover.
+    ///
+    /// Costs one more round trip per first request, and the time the replicas take.
+    pub fn with_wait_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.wait = (replicas > 0).then_some((replicas, timeout));
+        self
+    }
+
+    /// Checks that Redis will not evict the store's keys: `maxmemory-policy` must be
+    /// `noeviction` (on every master of a cluster). Call it at start.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Misconfigured`] when a server evicts keys under memory pressure (it may
+    /// then drop in-progress records, and a retry would run its handler again); a backend
+    /// error when the servers cannot be asked (or refuse `CONFIG GET`).
+    pub async fn check_eviction_policy(&self) -> Result<(), StoreError> {
+        let mut cmd = ::redis::cmd("CONFIG");
+        cmd.arg("GET").arg("maxmemory-policy");
+        let value = self
+            .bounded(async {
+                let mut conn = self.conn.clone();
+                match &mut conn {
+                    Conn::Single(c) => cmd.query_async::<Value>(c).await,
+                    Conn::Cluster(c) => {
+                        c.route_command(
+                            cmd,
+                            RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None)),
+                        )
+                        .await
+                    }
+                }
+            })
+            .await?;
+        let mut policies = Vec::new();
+        collect_policies(&value, &mut policies);
+        if policies.is_empty() {
+            return Err(StoreError::Misconfigured(
+                "CONFIG GET maxmemory-policy gave no policy".into(),
+            ));
+        }
+        match policies.into_iter().find(|p| p != "noeviction") {
+            Some(policy) => Err(StoreError::Misconfigured(format!(
+                "Redis evicts keys (maxmemory-policy {policy}): in-progress idempotency keys \
+                 could be dropped and their requests run twice; set maxmemory-policy \
+                 noeviction, or use a Redis of its own for the store"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// The keys of a (scope, key): its record and its fence.
+    fn keys(&self, scope: &str, key: &IdempotencyKey) -> (String, String) {
+        let mut h = Sha256::new();
+        h.update((scope.len() as u64).to_be_bytes());
+        h.update(scope.as_bytes());
+        h.update(key.as_str().as_bytes());
+        let digest = h.finalize();
+        let mut tag = String::with_capacity(32);
+        for b in &digest[..16] {
+            tag.push(char::from(HEX[usize::from(b >> 4)]));
+            tag.push(char::from(HEX[usize::from(b & 15)]));
+        }
+        let prefix = &self.prefix;
+        (
+            format!("{prefix}{{{tag}}}:r"),
+            format!("{prefix}{{{tag}}}:f"),
+        )
+    }
+
+    /// The channel and message that wake a key's waiters (empty when notifications are off).
+    fn wake(&self, scope: &str, key: &IdempotencyKey) -> (String, String) {
+        match &self.notifier {
+            Some(n) => (
+                n.channel().to_owned(),
+                KeyNotifier::key_hash(scope, key).to_string(),
+            ),
+            None => (String::new(), String::new()),
+        }
+    }
+
+    /// Runs `call` within the store's bound, mapping its error.
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, StoreError> {
+        let timeout = self.timeout;
+        match tokio::time::timeout(timeout, call).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout(timeout)),
+            Ok(Err(e)) => Err(StoreError::backend(e)),
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        }
+    }
+
+    /// Runs a script on the record's keys.
+    async fn run<T: ::redis::FromRedisValue>(
+        &self,
+        script: &::redis::Script,
+        keys: &(String, String),
+        args: &[&[u8]],
+    ) -> Result<T, StoreError> {
+        let mut invocation = script.key(&keys.0);
+        invocation.key(&keys.1);
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let mut conn = self.conn.clone();
+        self.bounded(invocation.invoke_async(&mut conn)).await
+    }
+
+    /// `WAIT`s for the replicas of the record's master, when asked to
+    /// ([`with_wait_replicas`](Self::with_wait_replicas)).
+    async fn wait_replicas(&self, record: &str) -> Result<(), StoreError> {
+        let Some((replicas, timeout)) = self.wait else {
+            return Ok(());
+        };
+        let mut cmd = ::redis::cmd("WAIT");
+        cmd.arg(replicas).arg(millis(timeout));
+        let mut conn = self.conn.clone();
+        let acked: i64 = self
+            .bounded(async {
+                match &mut conn {
+                    Conn::Single(c) => cmd.query_async(c).await,
+                    Conn::Cluster(c) => {
+                        // To the master of the record's slot, on the connection that carried
+                        // the completion (WAIT counts that connection's writes).
+                        let route = ::redis::cluster_routing::Route::new(
+                            slot(record),
+                            ::redis::cluster_routing::SlotAddr::Master,
+                        );
+                        let v = c
+                            .route_command(
+                                cmd,
+                                RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                            )
+                            .await?;
+                        ::redis::from_redis_value(v).map_err(RedisError::from)
+                    }
+                }
+            })
+            .await?;
+        if usize::try_from(acked).unwrap_or(0) >= replicas {
+            Ok(())
+        } else {
+            Err(StoreError::backend(NotReplicated {
+                acked,
+                wanted: replicas,
+            }))
+        }
+    }
+
+    /// The addresses of the masters to scan: the server itself, or each master of the
+    /// cluster.
+    async fn masters(&self) -> Result<Vec<Option<(String, u16)>>, StoreError> {
+        let Conn::Cluster(c) = &self.conn else {
+            return Ok(vec![None]);
+        };
+        let mut c = c.clone();
+        let mut cmd = ::redis::cmd("CLUSTER");
+        cmd.arg("NODES");
+        let value = self
+            .bounded(c.route_command(cmd, RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random)))
+            .await?;
+        let text: String = ::redis::from_redis_value(value).map_err(StoreError::backend)?;
+        Ok(parse_masters(&text).into_iter().map(Some).collect())
+    }
+
+    /// One `SCAN` step on a master.
+    async fn scan(
+        &self,
+        node: Option<&(String, u16)>,
+        cursor: u64,
+        count: usize,
+    ) -> Result<(u64, Vec<String>), StoreError> {
+        let mut cmd = ::redis::cmd("SCAN");
+        cmd.arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{}{{*}}:r", glob_escape(&self.prefix)))
+            .arg("COUNT")
+            .arg(count);
+        let mut conn = self.conn.clone();
+        self.bounded(async {
+            match (&mut conn, node) {
+                (Conn::Cluster(c), Some((host, port))) => {
+                    let v = c
+                        .route_command(
+                            cmd,
+                            RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                                host: host.clone(),
+                                port: *port,
+                            }),
+                        )
+                        .await?;
+                    ::redis::from_redis_value(v).map_err(RedisError::from)
+                }
+                (c, _) => cmd.query_async(c).await,
+            }
+        })
+        .await
+    }
+}
+
+/// The Cluster slot of a key: CRC16 (XMODEM) of its hash tag, modulo 16384.
+fn slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let tag = key
+        .find('{')
+        .and_then(|open| {
+            let close = key[open + 1..].find('}')?;
+            (close > 0).then(|| &bytes[open + 1..open + 1 + close])
+        })
+        .unwrap_or(bytes);
+    let mut crc: u16 = 0;
+    for &b in tag {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// Escapes the glob characters of `SCAN MATCH` in a literal.
+fn glob_escape(literal: &str) -> String {
+    let mut out = String::with_capacity(literal.len());
+    for c in literal.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The masters of a `CLUSTER NODES` answer that are not failing.
+fn parse_masters(nodes: &str) -> Vec<(String, u16)> {
+    nodes
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split(' ');
+            let _id = fields.next()?;
+            let address = fields.next()?;
+            let flags = fields.next()?;
+            if !flags.split(',').any(|f| f == "master") || flags.contains("fail") {
+                return None;
+            }
+            let address = address.split('@').next()?;
+            let (host, port) = address.rsplit_once(':')?;
+            Some((host.to_owned(), port.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The policies in a `CONFIG GET maxmemory-policy` answer (one per master in a cluster).
+fn collect_policies(value: &Value, out: &mut Vec<String>) {
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    };
+    match value {
+        Value::Map(pairs) => {
+            for (k, v) in pairs {
+                if text(k).as_deref() == Some("maxmemory-policy") {
+                    out.extend(text(v));
+                } else {
+                    collect_policies(v, out);
+                }
+            }
+        }
+        Value::Array(items) => {
+            let mut i = 0;
+            while i < items.len() {
+                if text(&items[i]).as_deref() == Some("maxmemory-policy") {
+                    if let Some(v) = items.get(i + 1) {
+                        out.extend(text(v));
+                    }
+                    i += 2;
+                } else {
+                    collect_policies(&items[i], out);
+                    i += 1;
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Milliseconds as a script argument.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A completion that fewer replicas acknowledged than
+/// [`with_wait_replicas`](RedisStore::with_wait_replicas) asked for.
+#[derive(Debug, thiserror::Error)]
+#[error("the completion reached {acked} replicas of the {wanted} waited for")]
+struct NotReplicated {
+    acked: i64,
+    wanted: usize,
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(format!("unexpected answer from the Redis store's {what}"))
+}
+
+/// Reads a script's reply as bytes.
+fn bytes_of(v: &Value) -> Option<&[u8]> {
+    match v {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+fn int_of(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(n) => Some(*n),
+        other => std::str::from_utf8(bytes_of(other)?).ok()?.parse().ok(),
+    }
+}
+
+/// The outcome of the claim script's reply.
+fn decode_claim(reply: &[Value]) -> Result<ClaimOutcome, StoreError> {
+    let kind = reply
+        .first()
+        .and_then(bytes_of)
+        .ok_or_else(|| corrupt("claim"))?;
+    Ok(match kind {
+        b"acquired" => {
+            let token = reply
+                .get(1)
+                .and_then(int_of)
+                .ok_or_else(|| corrupt("claim"))?;
+            let takeover = reply.get(2).and_then(int_of) == Some(1);
+            ClaimOutcome::Acquired {
+                token: LeaseToken::from_raw(token),
+                takeover,
+            }
+        }
+        b"in_flight" => {
+            let left = reply.get(1).and_then(int_of).unwrap_or(0);
+            ClaimOutcome::InFlight {
+                retry_after: Duration::from_millis(u64::try_from(left).unwrap_or(0)),
+            }
+        }
+        b"mismatch" => ClaimOutcome::Mismatch,
+        b"completed" => {
+            let status = reply
+                .get(1)
+                .and_then(int_of)
+                .and_then(|s| u16::try_from(s).ok())
+                .and_then(|s| StatusCode::from_u16(s).ok())
+                .ok_or_else(|| StoreError::Corrupt("invalid stored status".into()))?;
+            let headers = reply.get(2).and_then(bytes_of).unwrap_or_default();
+            let headers = StoredResponse::decode_headers(headers)?;
+            ClaimOutcome::Completed(match reply.get(3).and_then(bytes_of) {
+                Some(body) => StoredResponse::new(status, headers, Bytes::copy_from_slice(body)),
+                None => StoredResponse::without_body(status, headers),
+            })
+        }
+        _ => return Err(corrupt("claim")),
+    })
+}
+
+impl Store for RedisStore {
+    async fn claim(&self, req: ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        let keys = self.keys(req.scope, req.key);
+        let lease = millis(req.lease).to_string();
+        // An in-progress record lives at least as long as its lease.
+        let life = millis(req.ttl.max(req.lease)).to_string();
+        let grace = millis(self.grace).to_string();
+        let reply: Vec<Value> = self
+            .run(
+                &self.scripts.claim,
+                &keys,
+                &[
+                    req.fingerprint.as_bytes(),
+                    lease.as_bytes(),
+                    life.as_bytes(),
+                    grace.as_bytes(),
+                ],
+            )
+            .await?;
+        decode_claim(&reply)
+    }
+
+    async fn complete(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let keys = self.keys(scope, key);
+        let token = token.into_raw().to_string();
+        let ttl = millis(ttl).to_string();
+        let status = response.status().as_u16().to_string();
+        let headers = response.encode_headers();
+        let body = response.body().map(|b| &b[..]);
+        let grace = millis(self.grace).to_string();
+        let (channel, message) = self.wake(scope, key);
+        let done: i64 = self
+            .run(
+                &self.scripts.complete,
+                &keys,
+                &[
+                    token.as_bytes(),
+                    ttl.as_bytes(),
+                    status.as_bytes(),
+                    &headers,
+                    body.unwrap_or_default(),
+                    if body.is_some() { b"1" } else { b"0" },
+                    grace.as_bytes(),
+                    channel.as_bytes(),
+                    message.as_bytes(),
+                ],
+            )
+            .await?;
+        if done == 1 {
+            self.wait_replicas(&keys.0).await?;
+        }
+        Ok(done == 1)
+    }
+
+    async fn release(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+    ) -> Result<bool, StoreError> {
+        let keys = self.keys(scope, key);
+        let token = token.into_raw().to_string();
+        let grace = millis(self.grace).to_string();
+        let (channel, message) = self.wake(scope, key);
+        let done: i64 = self
+            .run(
+                &self.scripts.release,
+                &keys,
+                &[
+                    token.as_bytes(),
+                    grace.as_bytes(),
+                    channel.as_bytes(),
+                    message.as_bytes(),
+                ],
+            )
+            .await?;
+        Ok(done == 1)
+    }
+
+    async fn renew(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let keys = self.keys(scope, key);
+        let token = token.into_raw().to_string();
+        let lease = millis(lease).to_string();
+        let grace = millis(self.grace).to_string();
+        let done: i64 = self
+            .run(
+                &self.scripts.renew,
+                &keys,
+                &[token.as_bytes(), lease.as_bytes(), grace.as_bytes()],
+            )
+            .await?;
+        Ok(done == 1)
+    }
+
+    async fn watch(
+        &self,
+        scope: &str,
+        key: &IdempotencyKey,
+    ) -> Result<Option<KeyWatch>, StoreError> {
+        match &self.notifier {
+            Some(notifier) => Ok(notifier.watch(scope, key).await),
+            None => Ok(None),
+        }
+    }
+
+    /// Deletes the in-progress records past their logical end (completed records leave by
+    /// Redis's own expiry), `SCAN`ning the store's prefix on each master, `batch_size` keys
+    /// a step.
+    async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {
+        let grace = millis(self.grace).to_string();
+        let mut deleted = 0;
+        for node in self.masters().await? {
+            let mut cursor = 0;
+            loop {
+                let (next, records) = self.scan(node.as_ref(), cursor, batch_size.max(1)).await?;
+                for record in records {
+                    let Some(stem) = record.strip_suffix(":r") else {
+                        continue;
+                    };
+                    let keys = (record.clone(), format!("{stem}:f"));
+                    let done: i64 = self
+                        .run(&self.scripts.purge, &keys, &[grace.as_bytes()])
+                        .await?;
+                    deleted += done.unsigned_abs();
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(deleted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masters_are_read_from_cluster_nodes() {
+        let nodes = "\
+a 127.0.0.1:21001@31001 myself,master - 0 0 1 connected 0-5460
+b 127.0.0.1:21004@31004 slave a 0 0 1 connected
+c 127.0.0.1:21002@31002 master,fail - 0 0 2 connected 5461-10922
+d 127.0.0.1:21005@31005 master - 0 0 4 connected 10923-16383
+";
+        assert_eq!(
+            parse_masters(nodes),
+            vec![
+                ("127.0.0.1".to_owned(), 21001),
+                ("127.0.0.1".to_owned(), 21005)
+            ]
+        );
+    }
+
+    #[test]
+    fn policies_are_found_in_single_and_cluster_answers() {
+        let s = |t: &str| Value::BulkString(t.as_bytes().to_vec());
+        let mut out = Vec::new();
+        collect_policies(
+            &Value::Array(vec![s("maxmemory-policy"), s("noeviction")]),
+            &mut out,
+        );
+        collect_policies(
+            &Value::Map(vec![(
+                s("127.0.0.1:21001"),
+                Value::Array(vec![s("maxmemory-policy"), s("allkeys-lru")]),
+            )]),
+            &mut out,
+        );
+        assert_eq!(out, ["noeviction", "allkeys-lru"]);
+    }
+
+    #[test]
+    fn slots_follow_the_hash_tag() {
+        // The examples of the Redis Cluster specification.
+        assert_eq!(slot("123456789"), 0x31c3);
+        assert_eq!(slot("{user1000}.following"), slot("user1000"));
+        assert_eq!(slot("foo{}{bar}"), slot("foo{}{bar}"));
+    }
+
+    #[test]
+    fn prefixes_are_escaped_for_scan() {
+        assert_eq!(glob_escape("a*b?[c]\\"), "a\\*b\\?\\[c\\]\\\\");
+    }
+}
