@@ -6,16 +6,9 @@
 mod support;
 
 use std::process::Command;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http::{HeaderMap, StatusCode};
-use tower_idempotency::{
-    ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, RedisStore, Store, StoreError,
-    StoredResponse,
-};
+use tower_idempotency::{ClaimRequest, Fingerprint, IdempotencyKey, RedisStore, Store, StoreError};
 
 /// A port nothing listens on now.
 fn free_port() -> u16 {

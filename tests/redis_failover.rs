@@ -270,7 +270,8 @@ async fn run(cluster: &Cluster, store: RedisStore, keys: usize, kill_after: Dura
     // completion, and its retry (after the lease) runs again.
     tokio::time::sleep(Duration::from_millis(700)).await;
     let mut c = std::mem::take(&mut *counts.lock().unwrap());
-    for &i in acked.lock().unwrap().iter() {
+    let acked_now = acked.lock().unwrap().clone();
+    for &i in acked_now.iter() {
         let key = IdempotencyKey::parse(&format!("k{i}")).unwrap();
         let claim = ClaimRequest {
             scope: "",
