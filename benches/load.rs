@@ -254,6 +254,37 @@ const SCENARIOS: &[Scenario] = &[
     },
 ];
 
+#[cfg(feature = "redis")]
+#[path = "load/redis.rs"]
+mod redis_scenarios;
+
+/// The Redis scenarios, when the bench is built with `--features redis` (as
+/// `scripts/test.sh` builds it): see `benches/load/redis.rs`.
+#[cfg(feature = "redis")]
+const REDIS_SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "redis-new",
+        layer_side: "RedisStore, new key per request (its claim and completion scripts)",
+        baseline: "fingerprint + SET NX PX of the claim, then SET PX of the answer (by hand)",
+        target: 0.95,
+        build: |ctx| Box::pin(redis_scenarios::build_redis_new(ctx)),
+    },
+    Scenario {
+        name: "redis-replay",
+        layer_side: "RedisStore, completed keys requested again",
+        baseline: "fingerprint + GET of the stored answer (by hand)",
+        target: 0.95,
+        build: |ctx| Box::pin(redis_scenarios::build_redis_replay(ctx)),
+    },
+];
+#[cfg(not(feature = "redis"))]
+const REDIS_SCENARIOS: &[Scenario] = &[];
+
+/// Every scenario this build has.
+fn all_scenarios() -> impl Iterator<Item = &'static Scenario> {
+    SCENARIOS.iter().chain(REDIS_SCENARIOS)
+}
+
 /// What a scenario's build returns.
 struct Built {
     layer: Router,
@@ -1506,8 +1537,8 @@ fn parse_args() -> Result<Args, String> {
                 return Err(format!("unknown option {other}\n{USAGE}"));
             }
             name => {
-                let scenario = SCENARIOS.iter().find(|s| s.name == name).ok_or_else(|| {
-                    let names: Vec<_> = SCENARIOS.iter().map(|s| s.name).collect();
+                let scenario = all_scenarios().find(|s| s.name == name).ok_or_else(|| {
+                    let names: Vec<_> = all_scenarios().map(|s| s.name).collect();
                     format!(
                         "unknown scenario {name}; the scenarios: {}",
                         names.join(", ")
@@ -1518,7 +1549,7 @@ fn parse_args() -> Result<Args, String> {
         }
     }
     if args.scenarios.is_empty() {
-        args.scenarios = SCENARIOS.iter().collect();
+        args.scenarios = all_scenarios().collect();
     }
     Ok(args)
 }

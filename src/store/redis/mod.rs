@@ -446,7 +446,10 @@ impl RedisStore {
             .arg("MATCH")
             .arg(format!("{}{{*}}:r", glob_escape(&self.prefix)))
             .arg("COUNT")
-            .arg(count);
+            // SCAN's COUNT is the keyspace visited per call, not the matches returned: on a
+            // Redis shared with other data, a small batch would cost one round trip per few
+            // unrelated keys.
+            .arg(count.max(1000));
         let mut conn = self.conn.clone();
         self.bounded(async {
             match (&mut conn, node) {

@@ -1,0 +1,169 @@
+//! The Redis scenarios (feature `redis`): `RedisStore` against the least a Redis-backed
+//! idempotency check must send, by hand, to the same server (`REDIS_URL`, default
+//! `redis://127.0.0.1:6379`). Every run uses key prefixes of its own, left to expire within
+//! two minutes (so a shared server is not left holding them for the default TTL).
+//!
+//! | scenario | layer side | baseline |
+//! |---|---|---|
+//! | `redis-new` | `RedisStore`, a new key per request (claim and completion scripts) | fingerprint + `SET NX PX` of the claim, then `SET PX` of the answer |
+//! | `redis-replay` | `RedisStore`, completed keys requested again | fingerprint + `GET` of the stored answer, compared and sent back |
+
+use super::*;
+use redis::AsyncCommands;
+use redis::aio::ConnectionManager;
+use tower_idempotency::RedisStore;
+
+/// How long the scenarios' records live.
+const KEEP: Duration = Duration::from_secs(120);
+const KEEP_MS: u64 = 120_000;
+
+fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// A prefix no earlier run used.
+fn run_prefix(what: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("bench:{what}:{}:{nanos}:", std::process::id())
+}
+
+async fn connect() -> Result<ConnectionManager, BoxError> {
+    let client = redis::Client::open(redis_url())?;
+    Ok(ConnectionManager::new(client).await?)
+}
+
+/// What the baselines share: the connection and their own key prefix.
+#[derive(Clone)]
+struct Hand {
+    conn: ConnectionManager,
+    prefix: Arc<str>,
+}
+
+/// The baseline of `redis-new`: the claim as `SET NX PX`, the handler's work, the answer
+/// (fingerprint and body) as `SET PX`.
+async fn new_baseline(State(hand): State<Hand>, parts: Parts, body: Bytes) -> Response {
+    let Some(key) = key_of(&parts.headers) else {
+        return problem(StatusCode::BAD_REQUEST);
+    };
+    let fp = fingerprint(&parts, &[], &body);
+    let name = format!("{}{key}", hand.prefix);
+    let mut conn = hand.conn.clone();
+    let claimed: Result<Option<String>, _> = redis::cmd("SET")
+        .arg(&name)
+        .arg(&fp.as_bytes()[..])
+        .arg("NX")
+        .arg("PX")
+        .arg(KEEP_MS)
+        .query_async(&mut conn)
+        .await;
+    match claimed {
+        Ok(Some(_)) => {}
+        Ok(None) => return problem(StatusCode::CONFLICT),
+        Err(e) => {
+            eprintln!("baseline: {e}");
+            return problem(StatusCode::SERVICE_UNAVAILABLE);
+        }
+    }
+    let answer = created(body.len());
+    let mut stored = fp.as_bytes().to_vec();
+    stored.extend_from_slice(&common::created_json(body.len()));
+    let set: Result<(), _> = conn.pset_ex(&name, stored, KEEP_MS).await;
+    if let Err(e) = set {
+        eprintln!("baseline: {e}");
+    }
+    answer
+}
+
+/// The baseline of `redis-replay`: `GET` of the answer, its fingerprint compared.
+async fn replay_baseline(State(hand): State<Hand>, parts: Parts, body: Bytes) -> Response {
+    let Some(key) = key_of(&parts.headers) else {
+        return problem(StatusCode::BAD_REQUEST);
+    };
+    let fp = fingerprint(&parts, &[], &body);
+    let mut conn = hand.conn.clone();
+    let got: Result<Option<Vec<u8>>, _> = conn.get(format!("{}{key}", hand.prefix)).await;
+    match got {
+        Ok(Some(stored)) if stored.len() >= 32 && stored[..32] == fp.as_bytes()[..] => (
+            StatusCode::CREATED,
+            [(header::CONTENT_TYPE, "application/json")],
+            Bytes::copy_from_slice(&stored[32..]),
+        )
+            .into_response(),
+        Ok(Some(_)) => problem(StatusCode::UNPROCESSABLE_ENTITY),
+        Ok(None) => problem(StatusCode::NOT_FOUND),
+        Err(e) => {
+            eprintln!("baseline: {e}");
+            problem(StatusCode::SERVICE_UNAVAILABLE)
+        }
+    }
+}
+
+pub(super) async fn build_redis_new(_ctx: &Ctx) -> Result<Built, BoxError> {
+    let conn = connect().await?;
+    let store = RedisStore::new(conn.clone()).with_prefix(run_prefix("layer"));
+    let layer = Router::new()
+        .route(PATH, post(create))
+        .layer(IdempotencyLayer::new(store).with_ttl(KEEP));
+    let hand = Hand {
+        conn,
+        prefix: run_prefix("hand").into(),
+    };
+    let baseline = Router::new()
+        .route(PATH, post(new_baseline))
+        .with_state(hand);
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::New,
+        expect: StatusCode::CREATED,
+        schema: None,
+        fresh: None,
+    })
+}
+
+pub(super) async fn build_redis_replay(ctx: &Ctx) -> Result<Built, BoxError> {
+    let conn = connect().await?;
+    let store = RedisStore::new(conn.clone()).with_prefix(run_prefix("layer"));
+    let layer = Router::new()
+        .route(PATH, post(create))
+        .layer(IdempotencyLayer::new(store).with_ttl(KEEP));
+    let hand = Hand {
+        conn,
+        prefix: run_prefix("hand").into(),
+    };
+    let new = Router::new()
+        .route(PATH, post(new_baseline))
+        .with_state(hand.clone());
+    let baseline = Router::new()
+        .route(PATH, post(replay_baseline))
+        .with_state(hand);
+    // Complete every key once on both sides (in process), so both replay them.
+    let count = ctx.args.replay_keys;
+    let body = common::json_body(common::BODY_LEN);
+    for router in [&layer, &new] {
+        let mut next = 0;
+        while next < count {
+            let batch = (next..count.min(next + 32)).map(|i| {
+                let req = request("127.0.0.1", &replay_key(i), &body);
+                router.clone().oneshot(req.map(axum::body::Body::new))
+            });
+            for res in futures_join_all(batch).await {
+                let res = res?;
+                if res.status() != StatusCode::CREATED {
+                    return Err(format!("completing a replay key: {}", res.status()).into());
+                }
+            }
+            next += 32;
+        }
+    }
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::Replay { count },
+        expect: StatusCode::CREATED,
+        schema: None,
+        fresh: None,
+    })
+}
