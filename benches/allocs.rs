@@ -22,11 +22,10 @@
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode, header};
+use http::{Method, Request, Response, header};
 use http_body::Body;
 use http_body_util::{BodyExt, Full};
 use tower::{Layer, Service, ServiceExt};
@@ -73,28 +72,6 @@ static GLOBAL: Counting = Counting;
 /// Requests per scenario: the counts are exact, so few are needed; enough to average out
 /// the store's occasional growth (a map resizing).
 const REQUESTS: usize = 2_000;
-
-/// A create endpoint: reads the body, answers `201` with a small JSON document.
-fn handler<B>()
--> impl Service<Request<B>, Response = Response<Full<Bytes>>, Error = Infallible, Future = impl Send>
-+ Clone
-+ Send
-+ 'static
-where
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: std::fmt::Debug,
-{
-    tower::service_fn(|req: Request<B>| async move {
-        let body = req.into_body().collect().await.unwrap().to_bytes();
-        let mut res = Response::new(Full::new(common::created_json(body.len())));
-        *res.status_mut() = StatusCode::CREATED;
-        res.headers_mut().insert(
-            header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/json"),
-        );
-        Ok::<_, Infallible>(res)
-    })
-}
 
 /// What a router leaves in a request's extensions (axum inserts `MatchedPath`).
 #[derive(Clone)]
@@ -154,10 +131,13 @@ async fn run() {
             .collect::<Vec<_>>()
     };
 
-    let bare = handler::<Full<Bytes>>();
+    let bare = common::create_handler::<Full<Bytes>>();
     let layer = IdempotencyLayer::new(MemoryStore::new());
-    let layered = layer.clone().layer(handler());
-    let optional = layer.clone().with_key_required(false).layer(handler());
+    let layered = layer.clone().layer(common::create_handler());
+    let optional = layer
+        .clone()
+        .with_key_required(false)
+        .layer(common::create_handler());
 
     // Warm every path once (lazy statics, the store's first shard allocations).
     for k in ["warm-1", "warm-2"] {

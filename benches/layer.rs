@@ -16,39 +16,16 @@
 
 mod common;
 
-use std::convert::Infallible;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use http::{Method, Request, Response, StatusCode, header};
+use http::{Method, Request, Response, header};
 use http_body::Body;
 use http_body_util::{BodyExt, Full};
 use tower::{Layer, Service, ServiceExt};
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
-
-/// A create endpoint: reads the body, answers `201` with a small JSON document.
-fn handler<B>()
--> impl Service<Request<B>, Response = Response<Full<Bytes>>, Error = Infallible, Future = impl Send>
-+ Clone
-+ Send
-+ 'static
-where
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: std::fmt::Debug,
-{
-    tower::service_fn(|req: Request<B>| async move {
-        let body = req.into_body().collect().await.unwrap().to_bytes();
-        let mut res = Response::new(Full::new(common::created_json(body.len())));
-        *res.status_mut() = StatusCode::CREATED;
-        res.headers_mut().insert(
-            header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/json"),
-        );
-        Ok::<_, Infallible>(res)
-    })
-}
 
 fn request(method: &Method, key: &str, body: &Bytes) -> Request<Full<Bytes>> {
     Request::builder()
@@ -90,7 +67,8 @@ fn bench_layer(c: &mut Criterion) {
 
     // Each sample gets a new store (dropped outside the timed part), so a long run of new
     // keys does not grow one map without bound.
-    let fresh_layered = || IdempotencyLayer::new(MemoryStore::new()).layer(handler());
+    let fresh_layered =
+        || IdempotencyLayer::new(MemoryStore::new()).layer(common::create_handler());
 
     for method in [Method::POST, Method::GET] {
         let body = body.clone();
@@ -98,7 +76,7 @@ fn bench_layer(c: &mut Criterion) {
             b.to_async(&rt).iter_custom(|iters| {
                 let (body, method) = (body.clone(), method.clone());
                 async move {
-                    let svc = handler::<Full<Bytes>>();
+                    let svc = common::create_handler::<Full<Bytes>>();
                     let mut n = 0;
                     let start = Instant::now();
                     for _ in 0..iters {

@@ -700,21 +700,7 @@ async fn build_pg_replay(
         .layer(IdempotencyLayer::new(store));
     // Complete every key once through the layer (in process), so both sides replay them.
     let count = ctx.args.replay_keys;
-    let body = common::json_body(common::BODY_LEN);
-    let mut next = 0;
-    while next < count {
-        let batch = (next..count.min(next + 32)).map(|i| {
-            let req = request("127.0.0.1", &replay_key(i), &body);
-            layer.clone().oneshot(req.map(axum::body::Body::new))
-        });
-        for res in futures_join_all(batch).await {
-            let res = res?;
-            if res.status() != StatusCode::CREATED {
-                return Err(format!("completing a replay key: {}", res.status()).into());
-            }
-        }
-        next += 32;
-    }
+    complete_replay_keys(&layer, count).await?;
     sqlx::query("ANALYZE tower_idempotency_keys")
         .execute(&schema.pool)
         .await?;
@@ -994,6 +980,27 @@ fn push_hex(sql: &mut String, bytes: &[u8]) {
         sql.push(char::from(HEX[usize::from(b & 15)]));
     }
     sql.push_str("','hex')");
+}
+
+/// Sends `replay-0` … `replay-{count - 1}` through `router` once (in process, 32 at a time),
+/// so that later requests for them are replays.
+async fn complete_replay_keys(router: &Router, count: usize) -> Result<(), BoxError> {
+    let body = common::json_body(common::BODY_LEN);
+    let mut next = 0;
+    while next < count {
+        let batch = (next..count.min(next + 32)).map(|i| {
+            let req = request("127.0.0.1", &replay_key(i), &body);
+            router.clone().oneshot(req.map(axum::body::Body::new))
+        });
+        for res in futures_join_all(batch).await {
+            let res = res?;
+            if res.status() != StatusCode::CREATED {
+                return Err(format!("completing a replay key: {}", res.status()).into());
+            }
+        }
+        next += 32;
+    }
+    Ok(())
 }
 
 fn replay_key(i: usize) -> String {

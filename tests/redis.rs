@@ -10,15 +10,6 @@ use std::time::{Duration, Instant};
 
 use tower_idempotency::{ClaimRequest, Fingerprint, IdempotencyKey, RedisStore, Store, StoreError};
 
-/// A port nothing listens on now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A redis-server of the test's own, shut down (SIGKILL) on drop.
 struct Server {
     port: u16,
@@ -91,7 +82,7 @@ impl Drop for Server {
 
 #[tokio::test]
 async fn an_evicting_redis_is_refused_and_noeviction_accepted() {
-    let port = free_port();
+    let port = support::cluster::free_port();
     let server = Server::start(
         port,
         &["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"],
@@ -121,9 +112,12 @@ async fn the_eviction_check_covers_every_master_of_the_cluster() {
 /// A store that is down: calls fail fast with a backend error (the layer answers 503).
 #[tokio::test]
 async fn a_store_that_is_down_fails_within_its_bound() {
-    let store = RedisStore::open(&format!("redis://127.0.0.1:{}", free_port()))
-        .unwrap()
-        .with_timeout(Duration::from_secs(1));
+    let store = RedisStore::open(&format!(
+        "redis://127.0.0.1:{}",
+        support::cluster::free_port()
+    ))
+    .unwrap()
+    .with_timeout(Duration::from_secs(1));
     let key = IdempotencyKey::parse("k").unwrap();
     let started = Instant::now();
     let claim = store

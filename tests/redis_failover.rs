@@ -19,14 +19,6 @@ use tower_idempotency::{
     ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, RedisStore, Store, StoredResponse,
 };
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn cli(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
         .args(["-p", &port.to_string()])
@@ -47,7 +39,7 @@ impl Cluster {
         let dir = std::env::temp_dir().join(format!("ti-redis-failover-{}", support::unique()));
         let mut ports = Vec::new();
         while ports.len() < 6 {
-            let p = free_port();
+            let p = support::cluster::free_port();
             // The cluster bus listens on port + 10000.
             if p < 55000 && !ports.contains(&p) {
                 ports.push(p);

@@ -26,6 +26,33 @@ pub(crate) fn created_json(len: usize) -> Bytes {
     ))
 }
 
+/// A create endpoint: reads the body, answers `201` with a small JSON document
+/// ([`created_json`]).
+pub(crate) fn create_handler<B>() -> impl tower::Service<
+    http::Request<B>,
+    Response = http::Response<http_body_util::Full<Bytes>>,
+    Error = std::convert::Infallible,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: std::fmt::Debug,
+{
+    use http_body_util::BodyExt;
+    tower::service_fn(|req: http::Request<B>| async move {
+        let body = req.into_body().collect().await.unwrap().to_bytes();
+        let mut res = http::Response::new(http_body_util::Full::new(created_json(body.len())));
+        *res.status_mut() = http::StatusCode::CREATED;
+        res.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+        Ok::<_, std::convert::Infallible>(res)
+    })
+}
+
 /// The server the Postgres benchmarks use: `DATABASE_URL`, or the local service.
 #[cfg(feature = "postgres")]
 pub(crate) fn database_url() -> String {

@@ -100,7 +100,8 @@ async fn replay_baseline(State(hand): State<Hand>, parts: Parts, body: Bytes) ->
     }
 }
 
-pub(super) async fn build_redis_new(_ctx: &Ctx) -> Result<Built, BoxError> {
+/// The layer on a `RedisStore` and the by-hand connection, each with a prefix of its own.
+async fn sides() -> Result<(Router, Hand), BoxError> {
     let conn = connect().await?;
     let store = RedisStore::new(conn.clone()).with_prefix(run_prefix("layer"));
     let layer = Router::new()
@@ -110,6 +111,11 @@ pub(super) async fn build_redis_new(_ctx: &Ctx) -> Result<Built, BoxError> {
         conn,
         prefix: run_prefix("hand").into(),
     };
+    Ok((layer, hand))
+}
+
+pub(super) async fn build_redis_new(_ctx: &Ctx) -> Result<Built, BoxError> {
+    let (layer, hand) = sides().await?;
     let baseline = Router::new()
         .route(PATH, post(new_baseline))
         .with_state(hand);
@@ -124,15 +130,7 @@ pub(super) async fn build_redis_new(_ctx: &Ctx) -> Result<Built, BoxError> {
 }
 
 pub(super) async fn build_redis_replay(ctx: &Ctx) -> Result<Built, BoxError> {
-    let conn = connect().await?;
-    let store = RedisStore::new(conn.clone()).with_prefix(run_prefix("layer"));
-    let layer = Router::new()
-        .route(PATH, post(create))
-        .layer(IdempotencyLayer::new(store).with_ttl(KEEP));
-    let hand = Hand {
-        conn,
-        prefix: run_prefix("hand").into(),
-    };
+    let (layer, hand) = sides().await?;
     let new = Router::new()
         .route(PATH, post(new_baseline))
         .with_state(hand.clone());
@@ -141,23 +139,8 @@ pub(super) async fn build_redis_replay(ctx: &Ctx) -> Result<Built, BoxError> {
         .with_state(hand);
     // Complete every key once on both sides (in process), so both replay them.
     let count = ctx.args.replay_keys;
-    let body = common::json_body(common::BODY_LEN);
-    for router in [&layer, &new] {
-        let mut next = 0;
-        while next < count {
-            let batch = (next..count.min(next + 32)).map(|i| {
-                let req = request("127.0.0.1", &replay_key(i), &body);
-                router.clone().oneshot(req.map(axum::body::Body::new))
-            });
-            for res in futures_join_all(batch).await {
-                let res = res?;
-                if res.status() != StatusCode::CREATED {
-                    return Err(format!("completing a replay key: {}", res.status()).into());
-                }
-            }
-            next += 32;
-        }
-    }
+    complete_replay_keys(&layer, count).await?;
+    complete_replay_keys(&new, count).await?;
     Ok(Built {
         layer,
         baseline,

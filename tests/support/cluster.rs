@@ -98,7 +98,7 @@ fn run(mut command: Command) -> Output {
 }
 
 /// A port nobody listens on right now.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
