@@ -135,3 +135,127 @@ async fn a_store_that_is_down_fails_within_its_bound() {
     );
     assert!(started.elapsed() < Duration::from_secs(3));
 }
+
+/// How many `WAIT`s a server has answered (`INFO commandstats`).
+fn waits(server: &Server) -> usize {
+    let stats = server.cli(&["info", "commandstats"]);
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_wait:calls="))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
+/// `count` keys claimed and completed at once; the completions' results.
+async fn complete_at_once(store: &RedisStore, count: usize) -> Vec<Result<bool, StoreError>> {
+    let answer = tower_idempotency::StoredResponse::new(
+        http::StatusCode::CREATED,
+        http::HeaderMap::new(),
+        bytes::Bytes::from("ok"),
+    );
+    let mut tokens = Vec::new();
+    for i in 0..count {
+        let key = IdempotencyKey::parse(&format!("k{i}")).unwrap();
+        match store.claim(claim_of(&key)).await.unwrap() {
+            tower_idempotency::ClaimOutcome::Acquired { token, .. } => tokens.push((key, token)),
+            other => panic!("{other:?}"),
+        }
+    }
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(count));
+    let tasks: Vec<_> = tokens
+        .into_iter()
+        .map(|(key, token)| {
+            let (store, answer, barrier) = (store.clone(), answer.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store
+                    .complete("", &key, token, &answer, Duration::from_secs(60))
+                    .await
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.unwrap());
+    }
+    results
+}
+
+fn claim_of(key: &IdempotencyKey) -> ClaimRequest<'_> {
+    ClaimRequest {
+        scope: "",
+        key,
+        fingerprint: Fingerprint::from_bytes([1; 32]),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+    }
+}
+
+/// `with_wait_replicas`: concurrent completions share `WAIT`s (a `WAIT` blocks the
+/// connection it is sent on, which every call of the store shares), a completion counts as
+/// stored only when the replica has it, and a replica that is gone makes completions fail
+/// after about the `WAIT` timeout rather than queue one timeout behind another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_waiting_for_replicas_share_their_waits() {
+    let master = Server::start(support::cluster::free_port(), &[]);
+    let replica = Server::start(
+        support::cluster::free_port(),
+        &["--replicaof", "127.0.0.1", &master.port.to_string()],
+    );
+    let started = Instant::now();
+    while !master
+        .cli(&["info", "replication"])
+        .contains("connected_slaves:1")
+        || !replica
+            .cli(&["info", "replication"])
+            .contains("master_link_status:up")
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "replica not up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let store = RedisStore::open(&format!("redis://127.0.0.1:{}", master.port))
+        .unwrap()
+        .with_prefix(support::redis_support::prefix())
+        .with_timeout(Duration::from_secs(2))
+        .with_wait_replicas(1, Duration::from_millis(300));
+
+    let results = complete_at_once(&store, 50).await;
+    assert!(results.iter().all(|r| matches!(r, Ok(true))), "{results:?}");
+    let shared = waits(&master);
+    assert!(
+        (1..50).contains(&shared),
+        "50 concurrent completions sent {shared} WAITs"
+    );
+
+    // The replica gone: every completion fails (not acknowledged) within a few WAIT timeouts,
+    // though 50 of them are waiting at once; the records are complete on the master all the
+    // same (a retry replays them there).
+    drop(replica);
+    let store = store.with_prefix(support::redis_support::prefix());
+    let before = waits(&master);
+    let started = Instant::now();
+    let results = complete_at_once(&store, 50).await;
+    let took = started.elapsed();
+    assert!(
+        results
+            .iter()
+            .all(|r| matches!(r, Err(StoreError::Backend(_)))),
+        "{results:?}"
+    );
+    let sent = waits(&master) - before;
+    assert!(
+        sent < 10,
+        "50 completions without a replica sent {sent} WAITs"
+    );
+    assert!(
+        took < Duration::from_secs(2),
+        "50 completions without a replica took {took:?}: their WAITs queued"
+    );
+    let key = IdempotencyKey::parse("k7").unwrap();
+    assert!(matches!(
+        store.claim(claim_of(&key)).await.unwrap(),
+        tower_idempotency::ClaimOutcome::Completed(_)
+    ));
+}

@@ -16,9 +16,11 @@ use crate::error::StoreError;
 use crate::key::IdempotencyKey;
 use crate::response::StoredResponse;
 
+mod replicate;
 mod scripts;
 mod subscribe;
 
+use replicate::Replication;
 use scripts::Scripts;
 use subscribe::RedisNotifier;
 
@@ -117,7 +119,7 @@ pub struct RedisStore {
     prefix: Arc<str>,
     timeout: Duration,
     grace: Duration,
-    wait: Option<(usize, Duration)>,
+    wait: Option<Arc<Replication>>,
     notifier: Option<Arc<RedisNotifier>>,
 }
 
@@ -268,9 +270,15 @@ impl RedisStore {
     /// client gets the handler's answer all the same. The record is completed on the master
     /// either way, but only an acknowledged completion survives the master's failover.
     ///
-    /// Costs one more round trip per first request, and the time the replicas take.
+    /// `WAIT` blocks the connection it is sent on, which all the store's calls to that
+    /// server share; so concurrent completions share their `WAIT`s (at most one in flight
+    /// per server, covering every completion that server had stored before it was sent).
+    /// Costs each first request one more round trip and the time the replicas take; with a
+    /// replica gone, each completion waits up to about twice `timeout` and fails, and calls
+    /// behind a `WAIT` on that server wait for it: keep `timeout` short (tens of
+    /// milliseconds to a few hundred).
     pub fn with_wait_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
-        self.wait = (replicas > 0).then_some((replicas, timeout));
+        self.wait = (replicas > 0).then(|| Replication::new(replicas, timeout));
         self
     }
 
@@ -377,45 +385,52 @@ impl RedisStore {
         self.bounded(invocation.invoke_async(&mut conn)).await
     }
 
-    /// `WAIT`s for the replicas of the record's master, when asked to
-    /// ([`with_wait_replicas`](Self::with_wait_replicas)).
-    async fn wait_replicas(&self, record: &str) -> Result<(), StoreError> {
-        let Some((replicas, timeout)) = self.wait else {
+    /// Waits until the replicas of `server` (the cluster node ID the completion script
+    /// named, or `""`) have the completion of `record` it stored, when asked to
+    /// ([`with_wait_replicas`](Self::with_wait_replicas)); concurrent completions share
+    /// their `WAIT`s (see `replicate.rs`).
+    async fn wait_replicas(&self, server: &str, record: &str) -> Result<(), StoreError> {
+        let Some(replication) = &self.wait else {
             return Ok(());
         };
-        let mut cmd = ::redis::cmd("WAIT");
-        cmd.arg(replicas).arg(millis(timeout));
-        let mut conn = self.conn.clone();
-        let acked: i64 = self
-            .bounded(async {
-                match &mut conn {
-                    Conn::Single(c) => cmd.query_async(c).await,
-                    Conn::Cluster(c) => {
-                        // To the master of the record's slot, on the connection that carried
-                        // the completion (WAIT counts that connection's writes).
-                        let route = ::redis::cluster_routing::Route::new(
-                            slot(record),
-                            ::redis::cluster_routing::SlotAddr::Master,
-                        );
-                        let v = c
-                            .route_command(
-                                cmd,
-                                RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
-                            )
-                            .await?;
-                        ::redis::from_redis_value(v).map_err(RedisError::from)
+        let mut wait = ::redis::cmd("WAIT");
+        wait.arg(replication.replicas)
+            .arg(millis(replication.timeout));
+        replication
+            .acknowledged(server, || async {
+                let mut conn = self.conn.clone();
+                self.bounded(async {
+                    match &mut conn {
+                        Conn::Single(c) => {
+                            let acked: i64 = wait.query_async(c).await?;
+                            Ok((acked, String::new()))
+                        }
+                        Conn::Cluster(c) => {
+                            // To the master of the record's slot, on the connection that
+                            // carried the completion (WAIT counts a connection's writes),
+                            // with the ID of the node that answered.
+                            let mut pipe = ::redis::pipe();
+                            pipe.add_command(wait).cmd("CLUSTER").arg("MYID");
+                            let route = ::redis::cluster_routing::Route::new(
+                                slot(record),
+                                ::redis::cluster_routing::SlotAddr::Master,
+                            );
+                            let replies = c
+                                .route_pipeline(
+                                    pipe,
+                                    0,
+                                    2,
+                                    SingleNodeRoutingInfo::SpecificNode(route),
+                                )
+                                .await?;
+                            ::redis::from_redis_value(Value::Array(replies))
+                                .map_err(RedisError::from)
+                        }
                     }
-                }
+                })
+                .await
             })
-            .await?;
-        if usize::try_from(acked).unwrap_or(0) >= replicas {
-            Ok(())
-        } else {
-            Err(StoreError::backend(NotReplicated {
-                acked,
-                wanted: replicas,
-            }))
-        }
+            .await
     }
 
     /// The addresses of the masters to scan: the server itself, or each master of the
@@ -569,15 +584,6 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// A completion that fewer replicas acknowledged than
-/// [`with_wait_replicas`](RedisStore::with_wait_replicas) asked for.
-#[derive(Debug, thiserror::Error)]
-#[error("the completion reached {acked} replicas of the {wanted} waited for")]
-struct NotReplicated {
-    acked: i64,
-    wanted: usize,
-}
-
 fn corrupt(what: &str) -> StoreError {
     StoreError::Corrupt(format!("unexpected answer from the Redis store's {what}"))
 }
@@ -679,7 +685,7 @@ impl Store for RedisStore {
         let body = response.body().map(|b| &b[..]);
         let grace = millis(self.grace).to_string();
         let (channel, message) = self.wake(scope, key);
-        let done: i64 = self
+        let done: Value = self
             .run(
                 &self.scripts.complete,
                 &keys,
@@ -693,13 +699,21 @@ impl Store for RedisStore {
                     grace.as_bytes(),
                     channel.as_bytes(),
                     message.as_bytes(),
+                    if self.wait.is_some() { b"1" } else { b"0" },
                 ],
             )
             .await?;
-        if done == 1 {
-            self.wait_replicas(&keys.0).await?;
+        match done {
+            Value::Int(0) => Ok(false),
+            Value::Int(1) => Ok(true),
+            // Stored, by the server named (when asked to wait for its replicas).
+            Value::BulkString(server) => {
+                let server = String::from_utf8_lossy(&server);
+                self.wait_replicas(&server, &keys.0).await?;
+                Ok(true)
+            }
+            _ => Err(corrupt("completion")),
         }
-        Ok(done == 1)
     }
 
     async fn release(

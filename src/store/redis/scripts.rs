@@ -55,9 +55,11 @@ return {'acquired', tok, takeover}
 ";
 
 /// `ARGV`: token, ttl (ms), status, headers, body, has body (`1`/`0`), grace (ms), channel
-/// (empty: none), message.
+/// (empty: none), message, name the node (`1`/`0`).
 ///
-/// Returns 1 when stored, 0 when the token no longer holds the record.
+/// Returns 0 when the token no longer holds the record; when stored, 1, or (asked to name
+/// the node) the cluster node ID of the server that stored it (empty off a cluster), so that
+/// the `WAIT` for its replicas can be checked to reach the same server.
 const COMPLETE_BODY: &str = "
 local r = redis.call('HMGET', KEYS[1], 'tok', 'lease')
 if r[1] ~= ARGV[1] or not r[2] then return 0 end
@@ -69,6 +71,11 @@ if ARGV[6] == '1' then redis.call('HSET', KEYS[1], 'body', ARGV[5]) end
 redis.call('PEXPIREAT', KEYS[1], exp)
 redis.call('SET', KEYS[2], ARGV[1], 'PXAT', string.format('%.0f', exp + tonumber(ARGV[7])))
 if ARGV[8] ~= '' then redis.call('PUBLISH', ARGV[8], ARGV[9]) end
+if ARGV[10] == '1' then
+  local cluster, id = pcall(redis.call, 'CLUSTER', 'MYID')
+  if cluster then return id end
+  return ''
+end
 return 1
 ";
 
