@@ -276,6 +276,13 @@ const REDIS_SCENARIOS: &[Scenario] = &[
         target: 0.95,
         build: |ctx| Box::pin(redis_scenarios::build_redis_replay(ctx)),
     },
+    Scenario {
+        name: "redis-wait",
+        layer_side: "RedisStore with_wait_replicas(1, 100 ms), new key per request, on a master with one replica",
+        baseline: "the same RedisStore without WAIT, on the same master",
+        target: 0.80,
+        build: |ctx| Box::pin(redis_scenarios::build_redis_wait(ctx)),
+    },
 ];
 #[cfg(not(feature = "redis"))]
 const REDIS_SCENARIOS: &[Scenario] = &[];
@@ -298,6 +305,8 @@ struct Built {
     /// Builds the (layer, baseline) routers anew, with empty in-process state, for each side
     /// (used instead of `layer` and `baseline`).
     fresh: Option<fn() -> (Router, Router)>,
+    /// What the scenario keeps alive until its end (servers it started), then drops.
+    owned: Option<Box<dyn Send>>,
 }
 
 /// Which keys the client sends.
@@ -414,6 +423,7 @@ async fn build_memory_new(_ctx: &Ctx) -> Result<Built, BoxError> {
         expect: StatusCode::CREATED,
         schema: None,
         fresh: Some(memory_routers),
+        owned: None,
     })
 }
 
@@ -442,6 +452,7 @@ async fn build_memory_new_wait(_ctx: &Ctx) -> Result<Built, BoxError> {
         expect: StatusCode::CREATED,
         schema: None,
         fresh: Some(memory_wait_routers),
+        owned: None,
     })
 }
 
@@ -480,6 +491,7 @@ async fn build_notify(ctx: &Ctx, transactional: bool) -> Result<Built, BoxError>
         expect: StatusCode::CREATED,
         schema: Some(schema),
         fresh: None,
+        owned: None,
     })
 }
 
@@ -631,6 +643,7 @@ async fn build_pg_plain_new(
         expect: StatusCode::CREATED,
         schema: Some(schema),
         fresh: None,
+        owned: None,
     })
 }
 
@@ -711,6 +724,7 @@ async fn build_pg_replay(
         expect: StatusCode::CREATED,
         schema: Some(schema),
         fresh: None,
+        owned: None,
     })
 }
 
@@ -824,6 +838,7 @@ async fn build_pg_tx(ctx: &Ctx, side: TxSide) -> Result<Built, BoxError> {
         expect: StatusCode::CREATED,
         schema: Some(schema),
         fresh: None,
+        owned: None,
     })
 }
 
@@ -1672,10 +1687,12 @@ fn run_scenario(
         Ok(())
     };
     let ran = run();
-    let Built { schema, .. } = built;
+    let Built { schema, owned, .. } = built;
     if let Some(schema) = schema {
         server_rt.block_on(schema.drop_schema());
     }
+    // Servers the scenario started stop here.
+    drop(owned);
     ran?;
     let (layer, baseline) = result;
     let unexpected = |s: &Option<Stats>| s.as_ref().map_or(0, |s| s.unexpected);

@@ -7,6 +7,10 @@
 //! |---|---|---|
 //! | `redis-new` | `RedisStore`, a new key per request (claim and completion scripts) | fingerprint + `SET NX PX` of the claim, then `SET PX` of the answer |
 //! | `redis-replay` | `RedisStore`, completed keys requested again | fingerprint + `GET` of the stored answer, compared and sent back |
+//! | `redis-wait` | `RedisStore::with_wait_replicas(1, 100 ms)`, new keys | the same store without `WAIT` |
+//!
+//! `redis-wait` starts a master and its replica of its own (`redis-server` on free loopback
+//! ports), so that it never attaches a replica to a server it does not own.
 
 use super::*;
 use redis::AsyncCommands;
@@ -126,6 +130,7 @@ pub(super) async fn build_redis_new(_ctx: &Ctx) -> Result<Built, BoxError> {
         expect: StatusCode::CREATED,
         schema: None,
         fresh: None,
+        owned: None,
     })
 }
 
@@ -148,5 +153,80 @@ pub(super) async fn build_redis_replay(ctx: &Ctx) -> Result<Built, BoxError> {
         expect: StatusCode::CREATED,
         schema: None,
         fresh: None,
+        owned: None,
+    })
+}
+
+/// A `redis-server` the scenario started (not daemonized), killed on drop.
+struct OwnedServer(std::process::Child);
+
+impl Drop for OwnedServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `redis-server` on a free loopback port with `args`; waits until it answers.
+async fn start_server(args: &[&str]) -> Result<(OwnedServer, u16), BoxError> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let child = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no", "--logfile", ""])
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("redis-wait needs redis-server on PATH: {e}"))?;
+    let server = OwnedServer(child);
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
+    for _ in 0..200 {
+        if let Ok(mut c) = client.get_multiplexed_async_connection().await {
+            let pong: Result<String, _> = redis::cmd("PING").query_async(&mut c).await;
+            if pong.is_ok() {
+                return Ok((server, port));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    Err(format!("redis-server on port {port} did not start").into())
+}
+
+pub(super) async fn build_redis_wait(_ctx: &Ctx) -> Result<Built, BoxError> {
+    let (master, port) = start_server(&[]).await?;
+    let (replica, _) = start_server(&["--replicaof", "127.0.0.1", &port.to_string()]).await?;
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
+    let conn = ConnectionManager::new(client).await?;
+    let mut admin = conn.clone();
+    for _ in 0..200 {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut admin)
+            .await?;
+        if info.contains("connected_slaves:1") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let router = |store: RedisStore| {
+        Router::new()
+            .route(PATH, post(create))
+            .layer(IdempotencyLayer::new(store).with_ttl(KEEP))
+    };
+    let layer = router(
+        RedisStore::new(conn.clone())
+            .with_prefix(run_prefix("wait"))
+            .with_wait_replicas(1, Duration::from_millis(100)),
+    );
+    let baseline = router(RedisStore::new(conn).with_prefix(run_prefix("nowait")));
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::New,
+        expect: StatusCode::CREATED,
+        schema: None,
+        fresh: None,
+        owned: Some(Box::new((replica, master))),
     })
 }
