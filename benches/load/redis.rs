@@ -12,10 +12,50 @@
 //! `redis-wait` starts a master and its replica of its own (`redis-server` on free loopback
 //! ports), so that it never attaches a replica to a server it does not own.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::request::Parts;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
 use redis::AsyncCommands;
 use redis::aio::ConnectionManager;
-use tower_idempotency::RedisStore;
+use tower_idempotency::fingerprint::fingerprint;
+use tower_idempotency::{IdempotencyLayer, RedisStore};
+
+use crate::scenario::{
+    Built, Ctx, KeyPlan, PATH, Scenario, complete_replay_keys, create, created, key_of, problem,
+};
+use crate::{BoxError, common};
+
+/// The Redis scenarios, in the order they run.
+pub(crate) const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "redis-new",
+        layer_side: "RedisStore, new key per request (its claim and completion scripts)",
+        baseline: "fingerprint + SET NX PX of the claim, then SET PX of the answer (by hand)",
+        target: 0.95,
+        build: |ctx| Box::pin(build_redis_new(ctx)),
+    },
+    Scenario {
+        name: "redis-replay",
+        layer_side: "RedisStore, completed keys requested again",
+        baseline: "fingerprint + GET of the stored answer (by hand)",
+        target: 0.95,
+        build: |ctx| Box::pin(build_redis_replay(ctx)),
+    },
+    Scenario {
+        name: "redis-wait",
+        layer_side: "RedisStore with_wait_replicas(1, 100 ms), new key per request, on a master with one replica",
+        baseline: "the same RedisStore without WAIT, on the same master",
+        target: 0.80,
+        build: |ctx| Box::pin(build_redis_wait(ctx)),
+    },
+];
 
 /// How long the scenarios' records live.
 const KEEP: Duration = Duration::from_secs(120);
@@ -118,7 +158,7 @@ async fn sides() -> Result<(Router, Hand), BoxError> {
     Ok((layer, hand))
 }
 
-pub(super) async fn build_redis_new(_ctx: &Ctx) -> Result<Built, BoxError> {
+async fn build_redis_new(_ctx: &Ctx) -> Result<Built, BoxError> {
     let (layer, hand) = sides().await?;
     let baseline = Router::new()
         .route(PATH, post(new_baseline))
@@ -134,7 +174,7 @@ pub(super) async fn build_redis_new(_ctx: &Ctx) -> Result<Built, BoxError> {
     })
 }
 
-pub(super) async fn build_redis_replay(ctx: &Ctx) -> Result<Built, BoxError> {
+async fn build_redis_replay(ctx: &Ctx) -> Result<Built, BoxError> {
     let (layer, hand) = sides().await?;
     let new = Router::new()
         .route(PATH, post(new_baseline))
@@ -193,7 +233,7 @@ async fn start_server(args: &[&str]) -> Result<(OwnedServer, u16), BoxError> {
     Err(format!("redis-server on port {port} did not start").into())
 }
 
-pub(super) async fn build_redis_wait(_ctx: &Ctx) -> Result<Built, BoxError> {
+async fn build_redis_wait(_ctx: &Ctx) -> Result<Built, BoxError> {
     let (master, port) = start_server(&[]).await?;
     let (replica, _) = start_server(&["--replicaof", "127.0.0.1", &port.to_string()]).await?;
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
