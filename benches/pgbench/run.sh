@@ -62,7 +62,7 @@ PGOPTIONS="" psql_q -c "CREATE SCHEMA $schema"
 for m in "$root"/migrations/*.sql; do
     psql_q -f "$m"
 done
-# The pg-tx handler's table (the same as in benches/load.rs).
+# The pg-tx handler's table (the same as in benches/load/transactional.rs).
 psql_q -c "CREATE TABLE payments (
     id           bigserial   PRIMARY KEY,
     order_id     bigint      NOT NULL,
