@@ -47,7 +47,9 @@
 //! - `scenario.rs`: what a scenario is and returns, every scenario in run order, what the
 //!   scenarios share (the create handler, the replay keys); `pg_schema.rs`: the fresh schema
 //!   each Postgres scenario works in;
-//! - the scenario groups, each with its own `SCENARIOS` table: `memory.rs` (`memory-new`),
+//! - the scenario groups, each with its own `SCENARIOS` table: `realistic.rs`
+//!   (`realistic-plain`, `realistic-tx`: a payment handler with three statements and a 2 ms
+//!   provider call, the figure that leads BENCHMARKS.md), `memory.rs` (`memory-new`),
 //!   `postgres_plain.rs` (`pg-plain-new*`, `pg-replay*`), `transactional.rs` (`pg-tx*`),
 //!   `waiting.rs` (`memory-new-wait`, `*-notify`), `redis.rs` (`redis-*`, feature `redis`).
 //!
@@ -80,6 +82,8 @@ mod scenario;
 mod memory;
 #[path = "load/postgres_plain.rs"]
 mod postgres_plain;
+#[path = "load/realistic.rs"]
+mod realistic;
 #[cfg(feature = "redis")]
 #[path = "load/redis.rs"]
 mod redis_scenarios;

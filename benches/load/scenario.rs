@@ -16,7 +16,7 @@ use tower::ServiceExt;
 use crate::client::request;
 use crate::pg_schema::PgSchema;
 use crate::runner::Args;
-use crate::{BoxError, common, memory, postgres_plain, transactional, waiting};
+use crate::{BoxError, common, memory, postgres_plain, realistic, transactional, waiting};
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -38,8 +38,9 @@ pub(crate) struct Scenario {
 /// Every scenario this build has, group by group (the order they run in, and are listed in,
 /// when none is named).
 pub(crate) fn all_scenarios() -> impl Iterator<Item = &'static Scenario> {
-    memory::SCENARIOS
+    realistic::SCENARIOS
         .iter()
+        .chain(memory::SCENARIOS)
         .chain(postgres_plain::SCENARIOS)
         .chain(transactional::SCENARIOS)
         .chain(waiting::SCENARIOS)

@@ -79,7 +79,7 @@ async fn insert_payment(conn: &mut sqlx::PgConnection) -> Result<i64, sqlx::Erro
 }
 
 /// The payments endpoint's answer, on both sides.
-fn payment_created(id: i64, len: usize) -> Response {
+pub(crate) fn payment_created(id: i64, len: usize) -> Response {
     (
         StatusCode::CREATED,
         [(header::CONTENT_TYPE, "application/json")],

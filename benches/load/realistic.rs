@@ -1,0 +1,239 @@
+//! The realistic handler: what a payment endpoint does, with and without the layer, in plain
+//! and transactional mode. The figure users care about.
+//!
+//! The handler reads the order (`SELECT`), charges it at a payment provider (an HTTP call
+//! over loopback to a server in this process that answers after 2 ms, carrying the derived
+//! key `<key>:charge`), records the payment (`INSERT`) and marks the order paid (`UPDATE`),
+//! in one transaction:
+//!
+//! | scenario | layer side | baseline |
+//! |---|---|---|
+//! | `realistic-plain` | `PostgresStore`, plain mode, around the handler (its own transaction) | the handler alone |
+//! | `realistic-tx` | `PostgresStore::transactional()`: the handler's statements in the layer's transaction, committed with the key | the handler alone, in its own transaction |
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Extension, Router};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use sqlx::PgPool;
+use tower_idempotency::{IdempotencyLayer, IdempotentTx, PostgresStore};
+
+use crate::BoxError;
+use crate::pg_schema::PgSchema;
+use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, key_of, problem};
+use crate::transactional::{PAYMENTS_DDL, payment_created};
+
+/// The realistic scenarios, in the order they run (first: their figure leads BENCHMARKS.md).
+pub(crate) const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "realistic-plain",
+        layer_side: "plain mode (PostgresStore) around a payment handler: SELECT, a 2 ms \
+                     provider call over loopback HTTP, INSERT, UPDATE, in its own transaction",
+        baseline: "the same handler alone",
+        target: 0.95,
+        build: |ctx| Box::pin(build(ctx, false)),
+    },
+    Scenario {
+        name: "realistic-tx",
+        layer_side: "transactional mode: the same handler's statements in the layer's \
+                     transaction, committed with the key",
+        baseline: "the same handler alone, in its own transaction",
+        target: 0.95,
+        build: |ctx| Box::pin(build(ctx, true)),
+    },
+];
+
+/// How long the payment provider takes to answer.
+const PROVIDER_DELAY: Duration = Duration::from_millis(2);
+/// Orders the requests pay (picked by a hash of the key).
+const ORDERS: u64 = 1000;
+
+const ORDERS_DDL: &str = "
+CREATE TABLE orders (
+    id           bigint PRIMARY KEY,
+    amount_cents bigint NOT NULL,
+    status       text   NOT NULL
+)";
+
+/// The payment provider's side: answers a charge after [`PROVIDER_DELAY`].
+async fn charge(headers: HeaderMap) -> Response {
+    tokio::time::sleep(PROVIDER_DELAY).await;
+    if !headers.contains_key("idempotency-key") {
+        return problem(StatusCode::BAD_REQUEST);
+    }
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/json")],
+        r#"{"charge":"ch_1","status":"succeeded"}"#,
+    )
+        .into_response()
+}
+
+/// The provider, served in this process until dropped.
+struct Provider(tokio::task::AbortHandle);
+
+impl Drop for Provider {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn start_provider() -> Result<(Provider, SocketAddr), BoxError> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let app = Router::new().route("/charges", post(charge));
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            eprintln!("provider: {e}");
+        }
+    });
+    Ok((Provider(task.abort_handle()), addr))
+}
+
+/// What the handler needs: the pool (for its own transaction) and the provider's client.
+#[derive(Clone)]
+struct Payments {
+    pool: PgPool,
+    provider: Client<HttpConnector, Full<Bytes>>,
+    charges: Arc<str>,
+}
+
+/// The order a key pays: an FNV-1a hash of the key.
+fn order_of(key: &str) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    i64::try_from(h % ORDERS).unwrap_or(0) + 1
+}
+
+/// The handler's work on `conn` (a transaction's connection): three statements around the
+/// provider's charge.
+async fn pay(
+    payments: &Payments,
+    conn: &mut sqlx::PgConnection,
+    key: &str,
+) -> Result<i64, BoxError> {
+    let order = order_of(key);
+    let amount: i64 = sqlx::query_scalar("SELECT amount_cents FROM orders WHERE id = $1")
+        .bind(order)
+        .fetch_one(&mut *conn)
+        .await?;
+    let request = http::Request::post(&*payments.charges)
+        .header("idempotency-key", format!("{key}:charge"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(format!(r#"{{"amount":{amount}}}"#))))?;
+    let charged = payments.provider.request(request).await?;
+    if charged.status() != StatusCode::CREATED {
+        return Err(format!("provider answered {}", charged.status()).into());
+    }
+    charged.into_body().collect().await?;
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO payments (order_id, amount_cents, currency) VALUES ($1, $2, 'EUR') \
+         RETURNING id",
+    )
+    .bind(order)
+    .bind(amount)
+    .fetch_one(&mut *conn)
+    .await?;
+    sqlx::query("UPDATE orders SET status = 'paid' WHERE id = $1")
+        .bind(order)
+        .execute(&mut *conn)
+        .await?;
+    Ok(id)
+}
+
+/// The handler in a transaction of its own: the baseline, and the plain layer's handler.
+async fn pay_own_tx(State(payments): State<Payments>, parts: Parts, body: Bytes) -> Response {
+    let key = key_of(&parts.headers).unwrap_or("none").to_owned();
+    let paid = async {
+        let mut tx = payments.pool.begin().await?;
+        let id = pay(&payments, &mut tx, &key).await?;
+        tx.commit().await?;
+        Ok::<_, BoxError>(id)
+    };
+    match paid.await {
+        Ok(id) => payment_created(id, body.len()),
+        Err(e) => {
+            eprintln!("handler: {e}");
+            problem(StatusCode::SERVICE_UNAVAILABLE)
+        }
+    }
+}
+
+/// The handler in the layer's transaction (transactional mode).
+async fn pay_layer_tx(
+    State(payments): State<Payments>,
+    Extension(tx): Extension<IdempotentTx>,
+    parts: Parts,
+    body: Bytes,
+) -> Response {
+    let key = key_of(&parts.headers).unwrap_or("none").to_owned();
+    let paid = async {
+        let mut conn = tx.conn().await?;
+        pay(&payments, &mut conn, &key).await
+    };
+    match paid.await {
+        Ok(id) => payment_created(id, body.len()),
+        Err(e) => {
+            eprintln!("layer handler: {e}");
+            problem(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+    }
+}
+
+async fn build(ctx: &Ctx, transactional: bool) -> Result<Built, BoxError> {
+    let mut schema = PgSchema::new(ctx.args.pool).await?;
+    let store = PostgresStore::new(schema.pool.clone());
+    store.migrate().await?;
+    sqlx::query(PAYMENTS_DDL).execute(&schema.pool).await?;
+    sqlx::query(ORDERS_DDL).execute(&schema.pool).await?;
+    sqlx::query(
+        "INSERT INTO orders SELECT i, 1000 + i, 'open' FROM generate_series(1, $1::bigint) AS i",
+    )
+    .bind(i64::try_from(ORDERS)?)
+    .execute(&schema.pool)
+    .await?;
+    // Emptied between sides; the orders stay.
+    schema.tables.push("payments");
+    let (provider, addr) = start_provider().await?;
+    let payments = Payments {
+        pool: schema.pool.clone(),
+        provider: Client::builder(TokioExecutor::new()).build_http(),
+        charges: format!("http://{addr}/charges").into(),
+    };
+    let baseline = Router::new()
+        .route(PATH, post(pay_own_tx))
+        .with_state(payments.clone());
+    let layer = if transactional {
+        Router::new()
+            .route(PATH, post(pay_layer_tx))
+            .with_state(payments)
+            .layer(IdempotencyLayer::new(store.transactional()))
+    } else {
+        Router::new()
+            .route(PATH, post(pay_own_tx))
+            .with_state(payments)
+            .layer(IdempotencyLayer::new(store))
+    };
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::New,
+        expect: StatusCode::CREATED,
+        schema: Some(schema),
+        fresh: None,
+        owned: Some(Box::new(provider)),
+    })
+}
