@@ -49,7 +49,8 @@
 //!   each Postgres scenario works in;
 //! - the scenario groups, each with its own `SCENARIOS` table: `realistic.rs`
 //!   (`realistic-plain`, `realistic-tx`: a payment handler with three statements and a 2 ms
-//!   provider call, the figure that leads BENCHMARKS.md), `memory.rs` (`memory-new`),
+//!   provider call, the figure that leads BENCHMARKS.md), `memory.rs` (`memory-new`), `two_hops.rs` (`memory-two-hops`: the payments example's
+//!   keyed path, against no layer at all),
 //!   `postgres_plain.rs` (`pg-plain-new*`, `pg-replay*`), `transactional.rs` (`pg-tx*`),
 //!   `waiting.rs` (`memory-new-wait`, `*-notify`), `redis.rs` (`redis-*`, feature `redis`).
 //!
@@ -89,6 +90,8 @@ mod realistic;
 mod redis_scenarios;
 #[path = "load/transactional.rs"]
 mod transactional;
+#[path = "load/two_hops.rs"]
+mod two_hops;
 #[path = "load/waiting.rs"]
 mod waiting;
 

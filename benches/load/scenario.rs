@@ -16,7 +16,9 @@ use tower::ServiceExt;
 use crate::client::request;
 use crate::pg_schema::PgSchema;
 use crate::runner::Args;
-use crate::{BoxError, common, memory, postgres_plain, realistic, transactional, waiting};
+use crate::{
+    BoxError, common, memory, postgres_plain, realistic, transactional, two_hops, waiting,
+};
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -41,6 +43,7 @@ pub(crate) fn all_scenarios() -> impl Iterator<Item = &'static Scenario> {
     realistic::SCENARIOS
         .iter()
         .chain(memory::SCENARIOS)
+        .chain(two_hops::SCENARIOS)
         .chain(postgres_plain::SCENARIOS)
         .chain(transactional::SCENARIOS)
         .chain(waiting::SCENARIOS)
