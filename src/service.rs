@@ -322,15 +322,21 @@ pub(crate) async fn store_call<T>(
 ) -> Result<T, StoreError> {
     #[cfg(feature = "metrics")]
     let started = std::time::Instant::now();
-    // Outside a Tokio runtime (a keyed request polled by another executor) there is no
-    // timer to bound the call with: it runs unbounded, as the store itself allows.
-    let result = if tokio::runtime::Handle::try_current().is_err() {
-        call.await
-    } else {
-        match tokio::time::timeout(limit, call).await {
+    // A call answered at its first poll (the memory store's always are) needs no timer:
+    // arming one reads the clock and takes a reference to the runtime's timer, which costs a
+    // keyed request more than the memory store's work. The bound starts after that poll,
+    // which returned at once.
+    let mut call = std::pin::pin!(call);
+    let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
+    let result = match first {
+        Poll::Ready(result) => result,
+        // Outside a Tokio runtime (a keyed request polled by another executor) there is no
+        // timer to bound the call with: it runs unbounded, as the store itself allows.
+        Poll::Pending if tokio::runtime::Handle::try_current().is_err() => call.await,
+        Poll::Pending => match tokio::time::timeout(limit, call).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(limit)),
-        }
+        },
     };
     #[cfg(feature = "metrics")]
     {
