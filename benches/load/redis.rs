@@ -1,7 +1,8 @@
 //! The Redis scenarios (feature `redis`): `RedisStore` against the least a Redis-backed
 //! idempotency check must send, by hand, to the same server (`REDIS_URL`, default
 //! `redis://127.0.0.1:6379`). Every run uses key prefixes of its own, left to expire within
-//! two minutes (so a shared server is not left holding them for the default TTL).
+//! four minutes (records live two, and fences two more: the store's grace is set to two
+//! minutes too, so a shared server is not left holding them for the default TTL and grace).
 //!
 //! | scenario | layer side | baseline |
 //! |---|---|---|
@@ -147,7 +148,9 @@ async fn replay_baseline(State(hand): State<Hand>, parts: Parts, body: Bytes) ->
 /// The layer on a `RedisStore` and the by-hand connection, each with a prefix of its own.
 async fn sides() -> Result<(Router, Hand), BoxError> {
     let conn = connect().await?;
-    let store = RedisStore::new(conn.clone()).with_prefix(run_prefix("layer"));
+    let store = RedisStore::new(conn.clone())
+        .with_prefix(run_prefix("layer"))
+        .with_grace(KEEP);
     let layer = Router::new()
         .route(PATH, post(create))
         .layer(IdempotencyLayer::new(store).with_ttl(KEEP));
@@ -257,9 +260,14 @@ async fn build_redis_wait(_ctx: &Ctx) -> Result<Built, BoxError> {
     let layer = router(
         RedisStore::new(conn.clone())
             .with_prefix(run_prefix("wait"))
+            .with_grace(KEEP)
             .with_wait_replicas(1, Duration::from_millis(100)),
     );
-    let baseline = router(RedisStore::new(conn).with_prefix(run_prefix("nowait")));
+    let baseline = router(
+        RedisStore::new(conn)
+            .with_prefix(run_prefix("nowait"))
+            .with_grace(KEEP),
+    );
     Ok(Built {
         layer,
         baseline,
