@@ -120,15 +120,7 @@ async fn a_store_that_is_down_fails_within_its_bound() {
     .with_timeout(Duration::from_secs(1));
     let key = IdempotencyKey::parse("k").unwrap();
     let started = Instant::now();
-    let claim = store
-        .claim(ClaimRequest {
-            scope: "",
-            key: &key,
-            fingerprint: Fingerprint::from_bytes([1; 32]),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(60),
-        })
-        .await;
+    let claim = store.claim(claim_of(&key)).await;
     assert!(
         matches!(claim, Err(StoreError::Backend(_) | StoreError::Timeout(_))),
         "{claim:?}"

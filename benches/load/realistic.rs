@@ -31,7 +31,7 @@ use tower_idempotency::{IdempotencyLayer, IdempotentTx, PostgresStore};
 
 use crate::BoxError;
 use crate::pg_schema::PgSchema;
-use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, key_of, problem};
+use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, fnv1a, key_of, problem};
 use crate::transactional::{PAYMENTS_DDL, payment_created};
 
 /// The realistic scenarios, in the order they run (first: their figure leads BENCHMARKS.md).
@@ -111,11 +111,7 @@ struct Payments {
 
 /// The order a key pays: an FNV-1a hash of the key.
 fn order_of(key: &str) -> i64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.bytes() {
-        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    i64::try_from(h % ORDERS).unwrap_or(0) + 1
+    i64::try_from(fnv1a(key) % ORDERS).unwrap_or(0) + 1
 }
 
 /// The handler's work on `conn` (a transaction's connection): three statements around the

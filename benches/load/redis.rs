@@ -241,16 +241,22 @@ async fn build_redis_wait(_ctx: &Ctx) -> Result<Built, BoxError> {
     let (replica, _) = start_server(&["--replicaof", "127.0.0.1", &port.to_string()]).await?;
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
     let conn = ConnectionManager::new(client).await?;
+    // Without its replica every WAIT would time out: measure nothing rather than that.
     let mut admin = conn.clone();
+    let mut attached = false;
     for _ in 0..200 {
         let info: String = redis::cmd("INFO")
             .arg("replication")
             .query_async(&mut admin)
             .await?;
-        if info.contains("connected_slaves:1") {
+        attached = info.contains("connected_slaves:1");
+        if attached {
             break;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    if !attached {
+        return Err(format!("redis-wait: the replica never attached to port {port}").into());
     }
     let router = |store: RedisStore| {
         Router::new()

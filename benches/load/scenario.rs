@@ -159,3 +159,11 @@ async fn futures_join_all<F: Future>(futs: impl IntoIterator<Item = F>) -> Vec<F
     .await;
     out.into_iter().map(Option::unwrap).collect()
 }
+
+/// FNV-1a of `key`: a cheap, stable hash for the by-hand baselines (advisory lock ids, which
+/// order a key pays).
+pub(crate) fn fnv1a(key: &str) -> u64 {
+    key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}

@@ -18,7 +18,7 @@ use tower_idempotency::{IdempotencyLayer, IdempotentTx, PostgresStore, StoredRes
 
 use crate::BoxError;
 use crate::pg_schema::PgSchema;
-use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, key_of, problem};
+use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, fnv1a, key_of, problem};
 
 /// The transactional scenarios, in the order they run.
 pub(crate) const SCENARIOS: &[Scenario] = &[
@@ -211,9 +211,7 @@ async fn pay_by_hand(State(hand): State<ByHand>, parts: Parts, body: Bytes) -> R
     };
     let paid = async {
         let placeholder = if hand.claim {
-            let lock = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-            });
+            let lock = fnv1a(key);
             let mut k_arg = String::new();
             push_text(&mut k_arg, key);
             let mut fp_arg = String::new();

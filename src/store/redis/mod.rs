@@ -393,11 +393,11 @@ impl RedisStore {
         let Some(replication) = &self.wait else {
             return Ok(());
         };
-        let mut wait = ::redis::cmd("WAIT");
-        wait.arg(replication.replicas)
-            .arg(millis(replication.timeout));
         replication
             .acknowledged(server, || async {
+                let mut wait = ::redis::cmd("WAIT");
+                wait.arg(replication.replicas)
+                    .arg(millis(replication.timeout));
                 let mut conn = self.conn.clone();
                 self.bounded(async {
                     match &mut conn {

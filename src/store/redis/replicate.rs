@@ -83,7 +83,10 @@ impl Replication {
     {
         let rounds = {
             let mut servers = self.servers.lock().unwrap_or_else(PoisonError::into_inner);
-            servers.entry(server.to_owned()).or_default().clone()
+            match servers.get(server) {
+                Some(rounds) => rounds.clone(),
+                None => servers.entry(server.to_owned()).or_default().clone(),
+            }
         };
         // Any round numbered above this one begins after the write was answered.
         let needed = rounds.begun.load(Ordering::SeqCst) + 1;
