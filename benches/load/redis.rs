@@ -237,19 +237,21 @@ async fn start_server(args: &[&str]) -> Result<(OwnedServer, u16), BoxError> {
 }
 
 async fn build_redis_wait(_ctx: &Ctx) -> Result<Built, BoxError> {
-    let (master, port) = start_server(&[]).await?;
+    // The first sync starts at once (by default a master waits 5 s for more replicas).
+    let (master, port) = start_server(&["--repl-diskless-sync-delay", "0"]).await?;
     let (replica, _) = start_server(&["--replicaof", "127.0.0.1", &port.to_string()]).await?;
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
     let conn = ConnectionManager::new(client).await?;
-    // Without its replica every WAIT would time out: measure nothing rather than that.
+    // Until its replica is in sync every WAIT times out: measure nothing rather than that.
     let mut admin = conn.clone();
     let mut attached = false;
-    for _ in 0..200 {
+    for _ in 0..400 {
         let info: String = redis::cmd("INFO")
             .arg("replication")
             .query_async(&mut admin)
             .await?;
-        attached = info.contains("connected_slaves:1");
+        // Attached and in sync (`online`), not still loading its first copy.
+        attached = info.contains("state=online");
         if attached {
             break;
         }
