@@ -1,4 +1,3 @@
-use std::collections::hash_map::Entry as MapEntry;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -14,13 +13,18 @@ use crate::key::{IdempotencyKey, MAX_KEY_LEN};
 use crate::response::StoredResponse;
 
 mod answer;
+mod slab;
 mod usage;
 
 use answer::Answer;
+use slab::Slab;
 pub use usage::WhenFull;
 use usage::{Usage, answer_bytes, count_evicted, count_expired, count_rejected, record_bytes};
 
-const SHARDS: usize = 16;
+/// Shards of a store: each holds its own lock, map and expiry index. A shard's map grows on
+/// its own, with a 256th of the records to move (while its lock is held: 3.7 ms at 10 M
+/// records, against 68 ms with 16 shards at 1.8 M; `benches/memory_scale.rs`).
+const SHARDS: usize = 256;
 
 /// How many expired answers a claim removes from its shard, at most, before it looks up its
 /// key. More than one: a claim adds at most one record, so the store drops expired answers
@@ -49,10 +53,15 @@ const ROOM_ATTEMPTS: usize = 16;
 /// 1,000,000) and about [`with_max_bytes`](Self::with_max_bytes) bytes (default 1 GiB). The
 /// bytes counted for a record are its key, its scope, its answer's status, header names and
 /// values and body (with their lengths), and a fixed estimate of what the store spends around
-/// them (296 bytes a record, 64 an answer). A record with a 36-character key and a 60-byte
-/// JSON answer counts 497 bytes, and takes about 500 of resident memory (measured by
-/// `benches/memory_bytes.rs`). With the defaults, a million small answers fit (about 500 MB);
+/// them (190 bytes a record, 64 an answer). A record with a 36-character key and a 60-byte
+/// JSON answer counts 391 bytes, and takes about 390 of resident memory (measured by
+/// `benches/memory_bytes.rs`). With the defaults, a million small answers fit (about 400 MB);
 /// larger answers hit the byte limit first.
+///
+/// The records are spread over 256 shards, each with its own lock. A shard's map holds where
+/// each record is, not the record, so when it grows it moves 16 bytes per record, and only a
+/// 256th of them: filling a store with 10 million records, no call took longer than about
+/// 4 ms (`benches/memory_scale.rs`).
 ///
 /// The limits are checked when a claim would add a record for a new key. Expired answers do
 /// not count: a full store drops them first. If that does not make room, the store applies its
@@ -100,7 +109,7 @@ pub struct MemoryStore {
 
 #[derive(Default)]
 struct Inner {
-    shards: [Mutex<Shard>; SHARDS],
+    shards: Shards,
     /// Randomly keyed SipHash, as `HashMap`'s default: clients choose the keys, so they must
     /// not be able to choose colliding hashes.
     hasher: std::hash::RandomState,
@@ -115,17 +124,66 @@ struct Inner {
     most_looked_at: std::sync::atomic::AtomicUsize,
 }
 
+/// The store's shards.
+struct Shards([Mutex<Shard>; SHARDS]);
+
+impl Default for Shards {
+    fn default() -> Self {
+        Self(std::array::from_fn(|_| Mutex::default()))
+    }
+}
+
+impl std::ops::Deref for Shards {
+    type Target = [Mutex<Shard>; SHARDS];
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
 /// One shard: its records, and their index by expiry.
 #[derive(Default)]
 struct Shard {
-    map: Map,
+    records: Records,
     index: Index,
 }
 
 /// Records by the hash of their (scope, key). Each call hashes its (scope, key) once; the
 /// shard and the map use that hash as it is (see [`Prehashed`]). Records whose hashes collide
-/// share a [`Slot`].
-type Map = HashMap<u64, Slot, BuildHasherDefault<Prehashed>>;
+/// share a [`Slot`]. The slots live in a [`Slab`]; the map holds their places, so that growing
+/// it moves 8 bytes per record.
+#[derive(Default)]
+struct Records {
+    places: HashMap<u64, usize, BuildHasherDefault<Prehashed>>,
+    slots: Slab<Slot>,
+}
+
+impl Records {
+    fn get(&self, hash: u64) -> Option<&Slot> {
+        self.slots.get(*self.places.get(&hash)?)
+    }
+
+    fn get_mut(&mut self, hash: u64) -> Option<&mut Slot> {
+        self.slots.get_mut(*self.places.get(&hash)?)
+    }
+
+    /// Adds `record` to the slot of `hash`.
+    fn add(&mut self, hash: u64, record: Record) {
+        match self.get_mut(hash) {
+            // Another (scope, key) with the same hash.
+            Some(slot) => slot.push(record),
+            None => {
+                let place = self.slots.insert(Slot::One(record));
+                self.places.insert(hash, place);
+            }
+        }
+    }
+
+    /// Removes the slot of `hash`.
+    fn remove(&mut self, hash: u64) -> Option<Slot> {
+        self.slots.remove(self.places.remove(&hash)?)
+    }
+}
 
 /// The records of a shard by (expiry, id), each mapped to its hash: one entry per record,
 /// in the tree of its state. The front of each tree is the next record to expire.
@@ -258,11 +316,8 @@ impl Slot {
 impl Shard {
     /// Removes the record `id` of `hash` from the map (not from the index).
     fn take(&mut self, hash: u64, id: i64) -> Option<Record> {
-        let MapEntry::Occupied(mut slot) = self.map.entry(hash) else {
-            return None;
-        };
-        match slot.get_mut() {
-            Slot::One(r) if r.entry.id == id => match slot.remove() {
+        match self.records.get_mut(hash)? {
+            Slot::One(r) if r.entry.id == id => match self.records.remove(hash)? {
                 Slot::One(r) => Some(r),
                 Slot::Many(_) => None,
             },
@@ -271,7 +326,7 @@ impl Shard {
                 let i = rs.iter().position(|r| r.entry.id == id)?;
                 let record = rs.swap_remove(i);
                 if rs.is_empty() {
-                    slot.remove();
+                    self.records.remove(hash);
                 }
                 Some(record)
             }
@@ -389,7 +444,7 @@ impl MemoryStore {
         #[cfg(not(test))]
         let hash = hash_of(&self.inner.hasher, scope, key);
         // The map indexes its buckets with the low bits and tags them with the top seven;
-        // the shard takes four bits in between. Masked to 0..16, the cast cannot truncate.
+        // the shard takes eight bits in between. Reduced to 0..256, the cast cannot truncate.
         #[allow(clippy::cast_possible_truncation)]
         let i = ((hash >> 32) % SHARDS as u64) as usize;
         (hash, lock(&self.inner.shards[i]))
@@ -418,7 +473,7 @@ impl MemoryStore {
             }
             let now = Instant::now();
             let mut freed = 0;
-            for shard in &self.inner.shards {
+            for shard in self.inner.shards.iter() {
                 freed += self.sweep(&mut lock(shard), now, SWEEP_WHEN_FULL, false);
             }
             if freed == 0 && usage.when_full() == WhenFull::EvictCompleted && self.evict_one() {
@@ -477,9 +532,9 @@ impl MemoryStore {
     ) -> T {
         let (hash, mut shard) = self.shard(scope, key);
         let now = Instant::now();
-        let Shard { map, index } = &mut *shard;
-        let entry = map
-            .get_mut(&hash)
+        let Shard { records, index } = &mut *shard;
+        let entry = records
+            .get_mut(hash)
             .and_then(|slot| slot.find_mut(scope, key))
             .map(|r| &mut r.entry)
             .filter(|e| e.holds(token));
@@ -551,9 +606,9 @@ impl Store for MemoryStore {
                 };
                 (entry, ClaimOutcome::Acquired { token, takeover })
             };
-            let Shard { map, index } = &mut *shard;
-            let existing = map
-                .get_mut(&hash)
+            let Shard { records, index } = &mut *shard;
+            let existing = records
+                .get_mut(hash)
                 .and_then(|slot| slot.find_mut(req.scope, req.key));
             if let Some(record) = existing {
                 if reserved {
@@ -594,13 +649,7 @@ impl Store for MemoryStore {
                     key: req.key.clone(),
                     entry,
                 };
-                match map.entry(hash) {
-                    // Another (scope, key) with the same hash.
-                    MapEntry::Occupied(slot) => slot.into_mut().push(record),
-                    MapEntry::Vacant(vacant) => {
-                        vacant.insert(Slot::One(record));
-                    }
-                }
+                records.add(hash, record);
                 return Ok(outcome);
             }
             // Full: make room with no shard locked, then look again (the key may have been
@@ -646,7 +695,7 @@ impl Store for MemoryStore {
         token: LeaseToken,
     ) -> Result<bool, StoreError> {
         let (hash, mut shard) = self.shard(scope, key);
-        let held = shard.map.get(&hash).is_some_and(|slot| {
+        let held = shard.records.get(hash).is_some_and(|slot| {
             slot.records()
                 .iter()
                 .any(|r| r.is(scope, key) && r.entry.holds(token))
@@ -697,7 +746,7 @@ impl Store for MemoryStore {
     async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {
         let batch = batch_size.max(1);
         let mut deleted = 0u64;
-        for shard in &self.inner.shards {
+        for shard in self.inner.shards.iter() {
             loop {
                 // At most `batch` records per hold of the lock, taken from the front of the
                 // expiry index: a purge never scans a shard, nor stalls its requests.
