@@ -49,7 +49,8 @@
 //!   each Postgres scenario works in;
 //! - the scenario groups, each with its own `SCENARIOS` table: `realistic.rs`
 //!   (`realistic-plain`, `realistic-tx`: a payment handler with three statements and a 2 ms
-//!   provider call, the figure that leads BENCHMARKS.md), `memory.rs` (`memory-new`), `two_hops.rs` (`memory-two-hops`: the payments example's
+//!   provider call, the figure that leads BENCHMARKS.md), `memory.rs` (`memory-new`), `memory_full.rs`
+//!   (`memory-new-full`, `memory-replay-full`: the store holding a million records), `two_hops.rs` (`memory-two-hops`: the payments example's
 //!   keyed path, against no layer at all),
 //!   `postgres_plain.rs` (`pg-plain-new*`, `pg-replay*`), `transactional.rs` (`pg-tx*`),
 //!   `waiting.rs` (`memory-new-wait`, `*-notify`), `redis.rs` (`redis-*`, feature `redis`).
@@ -81,6 +82,8 @@ mod scenario;
 // The scenario groups, each with its `SCENARIOS` table.
 #[path = "load/memory.rs"]
 mod memory;
+#[path = "load/memory_full.rs"]
+mod memory_full;
 #[path = "load/postgres_plain.rs"]
 mod postgres_plain;
 #[path = "load/realistic.rs"]

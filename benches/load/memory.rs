@@ -105,6 +105,7 @@ async fn build_memory_new(_ctx: &Ctx) -> Result<Built, BoxError> {
         layer,
         baseline,
         keys: KeyPlan::New,
+        baseline_keys: None,
         expect: StatusCode::CREATED,
         schema: None,
         fresh: Some(memory_routers),

@@ -227,6 +227,7 @@ async fn build(ctx: &Ctx, transactional: bool) -> Result<Built, BoxError> {
         layer,
         baseline,
         keys: KeyPlan::New,
+        baseline_keys: None,
         expect: StatusCode::CREATED,
         schema: Some(schema),
         fresh: None,

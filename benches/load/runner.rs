@@ -19,6 +19,8 @@ pub(crate) struct Args {
     pub(crate) pool: u32,
     pub(crate) rounds: usize,
     pub(crate) replay_keys: usize,
+    /// The records the `memory-*-full` scenarios' stores hold (`--full-records`).
+    pub(crate) full_records: usize,
     pub(crate) server_threads: usize,
     pub(crate) client_threads: usize,
     pub(crate) side: Side,
@@ -43,8 +45,8 @@ impl Side {
 }
 
 const USAGE: &str = "usage: cargo bench --bench load -- [scenario...] [--connections N] \
-[--seconds S] [--warmup S] [--pool N] [--rounds N] [--replay-keys N] [--server-threads N] \
-[--client-threads N] [--side both|layer|baseline]";
+[--seconds S] [--warmup S] [--pool N] [--rounds N] [--replay-keys N] [--full-records N] \
+[--server-threads N] [--client-threads N] [--side both|layer|baseline]";
 
 pub(crate) fn parse_args() -> Result<Args, String> {
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -61,6 +63,7 @@ pub(crate) fn parse_args() -> Result<Args, String> {
             pool: 16,
             rounds: 1,
             replay_keys: 10_000,
+            full_records: 1_000_000,
             server_threads: 2,
             client_threads: 2,
             side: Side::Both,
@@ -75,6 +78,7 @@ pub(crate) fn parse_args() -> Result<Args, String> {
             pool: 2,
             rounds: 1,
             replay_keys: 50,
+            full_records: 1_000,
             server_threads: 2,
             client_threads: 1,
             side: Side::Both,
@@ -109,6 +113,7 @@ pub(crate) fn parse_args() -> Result<Args, String> {
             }
             "--rounds" => args.rounds = num(value(&arg)?)?,
             "--replay-keys" => args.replay_keys = num(value(&arg)?)?,
+            "--full-records" => args.full_records = num(value(&arg)?)?,
             "--server-threads" => args.server_threads = num(value(&arg)?)?,
             "--client-threads" => args.client_threads = num(value(&arg)?)?,
             "--side" => {
@@ -179,10 +184,14 @@ fn run_side(
         None => Vec::new(),
     };
     let server = start_server(server_rt, router)?;
+    let keys = match built.baseline_keys {
+        Some(keys) if !layered => keys,
+        _ => built.keys,
+    };
     let stats = client_rt.block_on(drive(
         server.addr,
         &ctx.args,
-        built.keys,
+        keys,
         built.expect,
         &tag,
         db_pids,

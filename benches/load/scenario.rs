@@ -17,7 +17,8 @@ use crate::client::request;
 use crate::pg_schema::PgSchema;
 use crate::runner::Args;
 use crate::{
-    BoxError, common, memory, postgres_plain, realistic, transactional, two_hops, waiting,
+    BoxError, common, memory, memory_full, postgres_plain, realistic, transactional, two_hops,
+    waiting,
 };
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -43,6 +44,7 @@ pub(crate) fn all_scenarios() -> impl Iterator<Item = &'static Scenario> {
     realistic::SCENARIOS
         .iter()
         .chain(memory::SCENARIOS)
+        .chain(memory_full::SCENARIOS)
         .chain(two_hops::SCENARIOS)
         .chain(postgres_plain::SCENARIOS)
         .chain(transactional::SCENARIOS)
@@ -62,6 +64,8 @@ pub(crate) struct Built {
     pub(crate) layer: Router,
     pub(crate) baseline: Router,
     pub(crate) keys: KeyPlan,
+    /// The baseline side's keys, when they differ from the layer side's.
+    pub(crate) baseline_keys: Option<KeyPlan>,
     /// The status every answer must have.
     pub(crate) expect: StatusCode,
     /// The Postgres schema the scenario works in (emptied between sides for new keys,

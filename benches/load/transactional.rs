@@ -162,6 +162,7 @@ async fn build_pg_tx(ctx: &Ctx, side: TxSide) -> Result<Built, BoxError> {
         layer,
         baseline,
         keys: KeyPlan::New,
+        baseline_keys: None,
         expect: StatusCode::CREATED,
         schema: Some(schema),
         fresh: None,

@@ -97,6 +97,7 @@ async fn build_two_hops(_ctx: &Ctx) -> Result<Built, BoxError> {
         layer,
         baseline,
         keys: KeyPlan::New,
+        baseline_keys: None,
         expect: StatusCode::CREATED,
         schema: None,
         fresh: Some(two_hop_routers),

@@ -1,0 +1,133 @@
+//! The memory store full: the layer on a `MemoryStore` that holds `--full-records` records
+//! (default 1,000,000) against the same layer on a store that holds few.
+//!
+//! - `memory-new-full`: new keys; the layer side's store is filled with `--full-records`
+//!   completed records before each side runs, the baseline's store starts empty.
+//! - `memory-replay-full`: replays drawn at random from all the layer side's
+//!   `--full-records` records, against replays drawn from the baseline store's
+//!   `--replay-keys` (10,000).
+
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::post;
+use bytes::Bytes;
+use http::HeaderMap;
+use tower_idempotency::{
+    ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, Store,
+    StoredResponse,
+};
+
+use crate::BoxError;
+use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, complete_replay_keys, create};
+
+/// The memory-full scenarios, in the order they run.
+pub(crate) const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "memory-new-full",
+        layer_side: "MemoryStore holding --full-records records, new key per request",
+        baseline: "the same layer on an empty MemoryStore",
+        target: 0.9,
+        build: |ctx| Box::pin(build_new_full(ctx)),
+    },
+    Scenario {
+        name: "memory-replay-full",
+        layer_side: "replays drawn from a MemoryStore's --full-records records",
+        baseline: "replays drawn from a MemoryStore's --replay-keys records",
+        target: 0.9,
+        build: |ctx| Box::pin(build_replay_full(ctx)),
+    },
+];
+
+/// `--full-records`, for [`new_full_routers`] (a plain `fn`, called before each side).
+static FULL_RECORDS: AtomicUsize = AtomicUsize::new(0);
+
+/// A store with no limit: the figures are what the records cost, not what the defaults admit.
+fn unbounded() -> MemoryStore {
+    MemoryStore::new()
+        .with_max_entries(usize::MAX)
+        .with_max_bytes(usize::MAX)
+}
+
+fn router(store: MemoryStore) -> Router {
+    Router::new()
+        .route(PATH, post(create))
+        .layer(IdempotencyLayer::new(store))
+}
+
+/// The output of a memory store's call, which is ready at its first poll.
+fn at_once<T>(call: impl Future<Output = T>) -> T {
+    let mut call = std::pin::pin!(call);
+    match call.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(out) => out,
+        Poll::Pending => panic!("a memory store call was not ready at once"),
+    }
+}
+
+/// Claims and completes `n` keys of its own in `store`, each answered with a small `201`.
+fn fill(store: &MemoryStore, n: usize) {
+    let answer = StoredResponse::new(
+        StatusCode::CREATED,
+        HeaderMap::new(),
+        Bytes::from_static(br#"{"id":4711,"status":"created","received":1024}"#),
+    );
+    let ttl = Duration::from_secs(24 * 3600);
+    for i in 0..n {
+        let key = IdempotencyKey::parse(&format!("{i:08x}-0000-4000-8000-000000000000")).unwrap();
+        let claim = ClaimRequest {
+            scope: "",
+            key: &key,
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            lease: Duration::from_secs(30),
+            ttl,
+        };
+        let ClaimOutcome::Acquired { token, .. } = at_once(store.claim(claim)).unwrap() else {
+            panic!("filling: key {i} was not new");
+        };
+        assert!(at_once(store.complete("", &key, token, &answer, ttl)).unwrap());
+    }
+}
+
+/// A full store for the layer side, an empty one for the baseline.
+fn new_full_routers() -> (Router, Router) {
+    let full = unbounded();
+    fill(&full, FULL_RECORDS.load(Ordering::Relaxed));
+    (router(full), router(unbounded()))
+}
+
+async fn build_new_full(ctx: &Ctx) -> Result<Built, BoxError> {
+    FULL_RECORDS.store(ctx.args.full_records, Ordering::Relaxed);
+    let (layer, baseline) = new_full_routers();
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::New,
+        baseline_keys: None,
+        expect: StatusCode::CREATED,
+        schema: None,
+        fresh: Some(new_full_routers),
+        owned: None,
+    })
+}
+
+async fn build_replay_full(ctx: &Ctx) -> Result<Built, BoxError> {
+    let (full, few) = (ctx.args.full_records, ctx.args.replay_keys);
+    let layer = router(unbounded());
+    complete_replay_keys(&layer, full).await?;
+    let baseline = router(unbounded());
+    complete_replay_keys(&baseline, few).await?;
+    Ok(Built {
+        layer,
+        baseline,
+        keys: KeyPlan::Replay { count: full },
+        baseline_keys: Some(KeyPlan::Replay { count: few }),
+        expect: StatusCode::CREATED,
+        schema: None,
+        fresh: None,
+        owned: None,
+    })
+}
