@@ -14,8 +14,10 @@
 //!
 //! Then the latency of every request sent while filling: p50, p99, p99.9, the longest, how
 //! many took over 1 ms and over 10 ms, and the store's size when the five longest happened;
-//! and the resident memory the process grew by, per record. About 6 GiB of memory and two
-//! minutes for 10 M records. Run with `cargo bench --bench memory_scale`.
+//! and the resident memory the process grew by, per record. Last, new keys on a store full at
+//! 1,000,000 records that evicts one for each ([`WhenFull::EvictCompleted`]), against the same
+//! store just before it was full. About 6 GiB of memory and two minutes for 10 M records.
+//! Run with `cargo bench --bench memory_scale`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -26,7 +28,7 @@ use bytes::Bytes;
 use http::{Method, Request, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use tower::{Layer, Service, ServiceExt};
-use tower_idempotency::{IdempotencyLayer, MemoryStore};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, WhenFull};
 
 /// Requests per measured window.
 const WINDOW: usize = 100_000;
@@ -143,10 +145,11 @@ fn main() {
         .position(|a| a == "--records")
         .and_then(|i| args.get(i + 1))
         .map_or(10_000_000, |n| n.parse().expect("--records N"));
-    let checkpoints: Vec<usize> = [10_000, 1_000_000, records]
+    let mut checkpoints: Vec<usize> = [10_000, 1_000_000, records]
         .into_iter()
         .filter(|&c| c <= records)
         .collect();
+    checkpoints.dedup();
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -157,9 +160,10 @@ fn main() {
         let store = MemoryStore::new()
             .with_max_entries(usize::MAX)
             .with_max_bytes(usize::MAX);
+        let fill_body = Bytes::from_static(br#"{"order_id":4711,"amount_cents":1999,"currency":"EUR"}"#);
         let mut fill = Fill {
             svc: IdempotencyLayer::new(store.clone()).layer(common::create_handler()),
-            body: Bytes::from_static(br#"{"order_id":4711,"amount_cents":1999,"currency":"EUR"}"#),
+            body: fill_body.clone(),
             len: 0,
             took: Vec::with_capacity(records + checkpoints.len() * WINDOW),
             slowest: Vec::new(),
@@ -214,5 +218,31 @@ fn main() {
             .map(|(ns, held)| format!("{:.2} ms at {held}", f64::from(*ns) / 1e6))
             .collect();
         println!("slowest: {}", slowest.join(", "));
+        drop(fill);
+
+        // A store full at `EVICT_CAP` records that evicts: every new key evicts the completed
+        // record nearest its expiry, over all shards.
+        let evicting = MemoryStore::new()
+            .with_max_entries(EVICT_CAP)
+            .with_when_full(WhenFull::EvictCompleted);
+        let mut fill = Fill {
+            svc: IdempotencyLayer::new(evicting.clone()).layer(common::create_handler()),
+            body: fill_body,
+            len: 0,
+            took: Vec::with_capacity(EVICT_CAP + WINDOW),
+            slowest: Vec::new(),
+        };
+        fill.add(EVICT_CAP - WINDOW).await;
+        let not_full = WINDOW as f64 / fill.add(WINDOW).await;
+        let evicting_rate = WINDOW as f64 / fill.add(WINDOW).await;
+        assert_eq!(evicting.len(), EVICT_CAP);
+        println!(
+            "new keys on a store full at {EVICT_CAP} records, evicting one each: {evicting_rate:.0}/s, \
+             {:.3} of the {not_full:.0}/s just before it was full",
+            evicting_rate / not_full
+        );
     });
 }
+
+/// The cap of the evicting store.
+const EVICT_CAP: usize = 1_000_000;

@@ -190,6 +190,45 @@ async fn evict_completed_drops_the_oldest_answer_and_never_a_running_key() {
     acquire(&store, &key("one-more")).await;
 }
 
+#[tokio::test(start_paused = true)]
+async fn eviction_takes_the_answers_nearest_expiry_across_all_shards() {
+    // 1,000 answers spread over every shard, expiring one second apart in an order that is
+    // not the order they were stored in; the first 21 expire and are purged. Each new key
+    // must then evict the answer nearest its expiry of all those left, whichever shard
+    // holds it.
+    let n = 1000;
+    let store = MemoryStore::new()
+        .with_max_entries(n)
+        .with_when_full(WhenFull::EvictCompleted);
+    let ttl_of = |i: usize| Duration::from_secs(10 + (i as u64 * 7919) % 1000);
+    for i in 0..n {
+        store_answer(&store, &format!("k{i}"), "{}", ttl_of(i)).await;
+    }
+    tokio::time::advance(Duration::from_millis(30_500)).await;
+    assert_eq!(store.purge_expired(1000).await.unwrap(), 21);
+    let mut left: Vec<usize> = (0..n).filter(|&i| ttl_of(i).as_secs() > 30).collect();
+    left.sort_by_key(|&i| ttl_of(i));
+    // Full again with running keys, then 100 new keys, each evicting one answer.
+    for i in 0..(n - left.len()) {
+        acquire(&store, &key(&format!("fill{i}"))).await;
+    }
+    for i in 0..100 {
+        acquire(&store, &key(&format!("new{i}"))).await;
+    }
+    assert_eq!(store.len(), n);
+    // Every answer but the 100 nearest their expiry is still there (the store holds n
+    // records: the 121 running keys and these 879).
+    for &i in &left[100..] {
+        let outcome = store.claim(claim_of(&key(&format!("k{i}")))).await.unwrap();
+        assert!(
+            matches!(outcome, ClaimOutcome::Completed(_)),
+            "k{i} (ttl {:?}): {outcome:?}",
+            ttl_of(i)
+        );
+    }
+    assert_eq!(121 + left.len() - 100, n);
+}
+
 #[tokio::test]
 async fn a_store_full_of_running_keys_fails_closed_under_either_policy() {
     for policy in [WhenFull::Reject, WhenFull::EvictCompleted] {

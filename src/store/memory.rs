@@ -13,10 +13,12 @@ use crate::key::{IdempotencyKey, MAX_KEY_LEN};
 use crate::response::StoredResponse;
 
 mod answer;
+mod fronts;
 mod slab;
 mod usage;
 
 use answer::Answer;
+use fronts::Fronts;
 use slab::Slab;
 pub use usage::WhenFull;
 use usage::{Usage, answer_bytes, count_evicted, count_expired, count_rejected, record_bytes};
@@ -110,6 +112,8 @@ pub struct MemoryStore {
 #[derive(Default)]
 struct Inner {
     shards: Shards,
+    /// When each shard's first completed record expires, for eviction.
+    fronts: Fronts,
     /// Randomly keyed SipHash, as `HashMap`'s default: clients choose the keys, so they must
     /// not be able to choose colliding hashes.
     hasher: std::hash::RandomState,
@@ -433,8 +437,8 @@ impl MemoryStore {
         self.inner.usage.bytes()
     }
 
-    /// The hash of a (scope, key) and its shard, locked.
-    fn shard(&self, scope: &str, key: &IdempotencyKey) -> (u64, MutexGuard<'_, Shard>) {
+    /// The hash of a (scope, key), its shard's number and its shard, locked.
+    fn shard(&self, scope: &str, key: &IdempotencyKey) -> (u64, usize, MutexGuard<'_, Shard>) {
         #[cfg(test)]
         let hash = if self.inner.same_hash {
             0x1234_5678_9abc_def0
@@ -447,13 +451,16 @@ impl MemoryStore {
         // the shard takes eight bits in between. Reduced to 0..256, the cast cannot truncate.
         #[allow(clippy::cast_possible_truncation)]
         let i = ((hash >> 32) % SHARDS as u64) as usize;
-        (hash, lock(&self.inner.shards[i]))
+        (hash, i, lock(&self.inner.shards[i]))
     }
 
-    /// Removes expired records from the front of one shard's index, at most `max` in this
+    /// Removes expired records from the front of shard `i`'s index, at most `max` in this
     /// hold of its lock; counts them.
-    fn sweep(&self, shard: &mut Shard, now: Instant, max: usize, running: bool) -> usize {
+    fn sweep(&self, i: usize, shard: &mut Shard, now: Instant, max: usize, running: bool) -> usize {
         let (n, bytes, _looked) = shard.sweep(now, max, running);
+        if n > 0 {
+            self.inner.fronts.reset(i, &shard.index);
+        }
         #[cfg(test)]
         self.inner
             .most_looked_at
@@ -473,8 +480,15 @@ impl MemoryStore {
             }
             let now = Instant::now();
             let mut freed = 0;
-            for shard in self.inner.shards.iter() {
-                freed += self.sweep(&mut lock(shard), now, SWEEP_WHEN_FULL, false);
+            // Only the shards holding expired answers, found by their fronts.
+            for i in self.inner.fronts.expired_by(now) {
+                freed += self.sweep(
+                    i,
+                    &mut lock(&self.inner.shards[i]),
+                    now,
+                    SWEEP_WHEN_FULL,
+                    false,
+                );
             }
             if freed == 0 && usage.when_full() == WhenFull::EvictCompleted && self.evict_one() {
                 freed = 1;
@@ -487,36 +501,30 @@ impl MemoryStore {
     }
 
     /// Evicts the completed record nearest its expiry, of all shards; `false` when there is
-    /// none. Locks one shard at a time.
+    /// none. Finds its shard by the shards' [`Fronts`], then locks that shard alone.
     fn evict_one(&self) -> bool {
-        let mut first: Option<((Instant, i64), usize)> = None;
-        for (i, shard) in self.inner.shards.iter().enumerate() {
-            let front = lock(shard)
-                .index
-                .completed
-                .first_key_value()
-                .map(|(&at, _)| at);
-            if let Some(at) = front
-                && first.is_none_or(|(f, _)| at < f)
-            {
-                first = Some((at, i));
-            }
+        // A shard picked a moment ago may have lost its completed records since: then look
+        // again, a few times at most.
+        for _ in 0..ROOM_ATTEMPTS {
+            let Some(i) = self.inner.fronts.earliest() else {
+                return false;
+            };
+            let mut shard = lock(&self.inner.shards[i]);
+            // Whatever that shard's first completed record is now.
+            let first = shard.index.completed.pop_first();
+            self.inner.fronts.reset(i, &shard.index);
+            let Some(((_, id), hash)) = first else {
+                continue;
+            };
+            let Some(record) = shard.take(hash, id) else {
+                continue;
+            };
+            drop(shard);
+            self.inner.usage.freed(1, record.bytes());
+            count_evicted(1);
+            return true;
         }
-        // Whatever that shard's first completed record is now (it may have changed since).
-        let Some((_, i)) = first else {
-            return false;
-        };
-        let mut shard = lock(&self.inner.shards[i]);
-        let Some(((_, id), hash)) = shard.index.completed.pop_first() else {
-            return false;
-        };
-        let Some(record) = shard.take(hash, id) else {
-            return false;
-        };
-        drop(shard);
-        self.inner.usage.freed(1, record.bytes());
-        count_evicted(1);
-        true
+        false
     }
 
     /// Calls `f` with the record of (scope, key) while `token` holds it, expired or not, and
@@ -528,9 +536,9 @@ impl MemoryStore {
         scope: &str,
         key: &IdempotencyKey,
         token: LeaseToken,
-        f: impl FnOnce(Option<(&mut Entry, &mut Index, u64)>, Instant) -> T,
+        f: impl FnOnce(Option<Held<'_>>, Instant) -> T,
     ) -> T {
-        let (hash, mut shard) = self.shard(scope, key);
+        let (hash, i, mut shard) = self.shard(scope, key);
         let now = Instant::now();
         let Shard { records, index } = &mut *shard;
         let entry = records
@@ -538,8 +546,26 @@ impl MemoryStore {
             .and_then(|slot| slot.find_mut(scope, key))
             .map(|r| &mut r.entry)
             .filter(|e| e.holds(token));
-        f(entry.map(|e| (e, index, hash)), now)
+        f(
+            entry.map(|entry| Held {
+                entry,
+                index,
+                hash,
+                shard: i,
+            }),
+            now,
+        )
     }
+}
+
+/// An in-progress record held by a token, with its shard's index ([`MemoryStore::with_held`]).
+struct Held<'a> {
+    entry: &'a mut Entry,
+    index: &'a mut Index,
+    /// The hash of its (scope, key).
+    hash: u64,
+    /// The number of its shard.
+    shard: usize,
 }
 
 /// The longest span a record or a lease is given: 100 years, as the Postgres store clamps
@@ -590,9 +616,9 @@ impl Store for MemoryStore {
         // Whether room for a new record is reserved already (after the store was full).
         let mut reserved = false;
         loop {
-            let (hash, mut shard) = self.shard(req.scope, req.key);
+            let (hash, i, mut shard) = self.shard(req.scope, req.key);
             let now = Instant::now();
-            self.sweep(&mut shard, now, SWEEP_PER_CLAIM, false);
+            self.sweep(i, &mut shard, now, SWEEP_PER_CLAIM, false);
             let fresh = |takeover: bool| {
                 let token = next_token();
                 let entry = Entry {
@@ -619,9 +645,13 @@ impl Store for MemoryStore {
                 let mut replace = |e: &mut Entry, takeover| {
                     let (entry, outcome) = fresh(takeover);
                     index.remove(e);
+                    let was_completed = matches!(e.state, State::Completed(_));
                     usage.freed(0, e.answer_bytes());
                     *e = entry;
                     index.insert(hash, e);
+                    if was_completed {
+                        self.inner.fronts.reset(i, index);
+                    }
                     outcome
                 };
                 if e.expires_at <= now {
@@ -672,11 +702,17 @@ impl Store for MemoryStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let done = self.with_held(scope, key, token, |held, now| match held {
-            Some((e, index, hash)) => {
+            Some(Held {
+                entry: e,
+                index,
+                hash,
+                shard,
+            }) => {
                 index.remove(e);
                 e.state = State::Completed(Answer::encode(response));
                 e.expires_at = after(now, ttl);
                 index.insert(hash, e);
+                self.inner.fronts.added(shard, e.expires_at);
                 self.inner.usage.grew(e.answer_bytes());
                 true
             }
@@ -694,7 +730,7 @@ impl Store for MemoryStore {
         key: &IdempotencyKey,
         token: LeaseToken,
     ) -> Result<bool, StoreError> {
-        let (hash, mut shard) = self.shard(scope, key);
+        let (hash, _, mut shard) = self.shard(scope, key);
         let held = shard.records.get(hash).is_some_and(|slot| {
             slot.records()
                 .iter()
@@ -728,7 +764,12 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         Ok(self.with_held(scope, key, token, |held, now| match held {
-            Some((e, index, hash)) => {
+            Some(Held {
+                entry: e,
+                index,
+                hash,
+                ..
+            }) => {
                 index.remove(e);
                 let until = after(now, lease);
                 if let State::InProgress { lease_until } = &mut e.state {
@@ -746,11 +787,11 @@ impl Store for MemoryStore {
     async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {
         let batch = batch_size.max(1);
         let mut deleted = 0u64;
-        for shard in self.inner.shards.iter() {
+        for (i, shard) in self.inner.shards.iter().enumerate() {
             loop {
                 // At most `batch` records per hold of the lock, taken from the front of the
                 // expiry index: a purge never scans a shard, nor stalls its requests.
-                let n = self.sweep(&mut lock(shard), Instant::now(), batch, true);
+                let n = self.sweep(i, &mut lock(shard), Instant::now(), batch, true);
                 deleted += n as u64;
                 if n < batch {
                     break;

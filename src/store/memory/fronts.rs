@@ -1,0 +1,83 @@
+//! When each shard's first completed record expires, readable without its lock: a full store
+//! finds the shards holding expired answers, and (with
+//! [`WhenFull::EvictCompleted`](super::WhenFull::EvictCompleted)) the shard holding the
+//! answer nearest its expiry, by reading one number per shard, instead of locking all 256
+//! shards for every new key.
+//!
+//! A shard's number is kept while its lock is held: lowered when a completed record is added
+//! (a completion), set again after completed records are removed (a sweep, an eviction, an
+//! expired record replaced by a claim). Eviction reads the numbers without locks, then locks
+//! the shard it picked and takes that shard's first completed record as it is by then.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tokio::time::Instant;
+
+use super::{Index, SHARDS};
+
+/// No completed record.
+const NONE: u64 = u64::MAX;
+
+/// Each shard's first completed expiry, in nanoseconds after the store was made.
+pub(super) struct Fronts {
+    epoch: Instant,
+    at: [AtomicU64; SHARDS],
+}
+
+impl Default for Fronts {
+    fn default() -> Self {
+        Self {
+            epoch: Instant::now(),
+            at: std::array::from_fn(|_| AtomicU64::new(NONE)),
+        }
+    }
+}
+
+impl Fronts {
+    fn nanos(&self, at: Instant) -> u64 {
+        // Saturates past 584 years; records live 100 years at most (`MAX_SPAN`).
+        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(NONE - 1)
+    }
+
+    /// Shard `i` gained a completed record expiring `at` (its lock held).
+    pub(super) fn added(&self, i: usize, at: Instant) {
+        let Some(front) = self.at.get(i) else { return };
+        let at = self.nanos(at);
+        // Most completions expire after the shard's front: read before writing, so that they
+        // leave the shared line alone.
+        if at < front.load(Ordering::Relaxed) {
+            front.fetch_min(at, Ordering::Relaxed);
+        }
+    }
+
+    /// Shard `i` may have lost completed records: its front is read again (its lock held).
+    pub(super) fn reset(&self, i: usize, index: &Index) {
+        let Some(front) = self.at.get(i) else { return };
+        let at = index
+            .completed
+            .first_key_value()
+            .map_or(NONE, |(&(at, _), _)| self.nanos(at));
+        front.store(at, Ordering::Relaxed);
+    }
+
+    /// The shards whose first completed record has expired by `now`.
+    pub(super) fn expired_by(&self, now: Instant) -> impl Iterator<Item = usize> + '_ {
+        let now = self.nanos(now);
+        self.at
+            .iter()
+            .enumerate()
+            .filter(move |(_, at)| at.load(Ordering::Relaxed) <= now)
+            .map(|(i, _)| i)
+    }
+
+    /// The shard whose first completed record expires first, if any shard has one.
+    pub(super) fn earliest(&self) -> Option<usize> {
+        let (i, at) = self
+            .at
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .enumerate()
+            .min_by_key(|&(_, at)| at)?;
+        (at != NONE).then_some(i)
+    }
+}
