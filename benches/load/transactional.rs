@@ -14,7 +14,9 @@ use axum::routing::post;
 use bytes::Bytes;
 use sqlx::{PgPool, Row};
 use tower_idempotency::fingerprint::fingerprint;
-use tower_idempotency::{IdempotencyLayer, IdempotentTx, PostgresStore, StoredResponse};
+use tower_idempotency::{
+    Fingerprint, IdempotencyLayer, IdempotentTx, PostgresStore, StoredResponse,
+};
 
 use crate::BoxError;
 use crate::pg_schema::PgSchema;
@@ -266,21 +268,8 @@ async fn pay_by_hand(State(hand): State<ByHand>, parts: Parts, body: Bytes) -> R
                 sql.push_str("); COMMIT");
             }
             None => {
-                sql.push_str(
-                    "INSERT INTO tower_idempotency_keys (scope, key, fingerprint, expires_at, \
-                     completed_at, response_status, response_headers, response_body) VALUES \
-                     (E'',",
-                );
-                push_text(&mut sql, key);
-                sql.push(',');
-                push_hex(&mut sql, fp.as_bytes());
-                sql.push_str(",now()+86400000*interval '1 millisecond',now(),");
-                sql.push_str(head.status.as_str());
-                sql.push(',');
-                push_hex(&mut sql, &stored.encode_headers());
-                sql.push(',');
-                push_hex(&mut sql, &res_body);
-                sql.push_str("); COMMIT");
+                push_record_insert(&mut sql, key, &fp, &stored);
+                sql.push_str("; COMMIT");
             }
         }
         sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
@@ -301,6 +290,30 @@ async fn pay_by_hand(State(hand): State<ByHand>, parts: Parts, body: Bytes) -> R
 }
 
 /// Appends `text` as an `E'…'` constant, quotes and backslashes doubled, as the layer does.
+/// Appends the `INSERT` of the completed record of `key` (shared scope, a 24 h TTL) with
+/// `answer`: all that storing the answer in the handler's transaction costs, with no claim.
+pub(crate) fn push_record_insert(
+    sql: &mut String,
+    key: &str,
+    fp: &Fingerprint,
+    answer: &StoredResponse,
+) {
+    sql.push_str(
+        "INSERT INTO tower_idempotency_keys (scope, key, fingerprint, expires_at, completed_at, \
+         response_status, response_headers, response_body) VALUES (E'',",
+    );
+    push_text(sql, key);
+    sql.push(',');
+    push_hex(sql, fp.as_bytes());
+    sql.push_str(",now()+86400000*interval '1 millisecond',now(),");
+    sql.push_str(answer.status().as_str());
+    sql.push(',');
+    push_hex(sql, &answer.encode_headers());
+    sql.push(',');
+    push_hex(sql, answer.body().map_or(&[][..], |b| &b[..]));
+    sql.push(')');
+}
+
 fn push_text(sql: &mut String, text: &str) {
     sql.push_str("E'");
     for c in text.chars() {
