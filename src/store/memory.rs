@@ -24,8 +24,8 @@ pub use usage::WhenFull;
 use usage::{Usage, answer_bytes, count_evicted, count_expired, count_rejected, record_bytes};
 
 /// Shards of a store: each holds its own lock, map and expiry index. A shard's map grows on
-/// its own, with a 256th of the records to move (while its lock is held: 3.7 ms at 10 M
-/// records, against 68 ms with 16 shards at 1.8 M; `benches/memory_scale.rs`).
+/// its own, with a 256th of the records to move (while its lock is held: about 4 ms at 10 M
+/// records, against 262 ms with 16 shards at 7.3 M; `benches/memory_scale.rs`).
 const SHARDS: usize = 256;
 
 /// How many expired answers a claim removes from its shard, at most, before it looks up its
