@@ -17,7 +17,8 @@
 //! and the resident memory the process grew by, per record. Last, new keys on a store full at
 //! 1,000,000 records that evicts one for each ([`WhenFull::EvictCompleted`]), against the same
 //! store just before it was full. About 6 GiB of memory and two minutes for 10 M records.
-//! Run with `cargo bench --bench memory_scale`.
+//! Run with `cargo bench --bench memory_scale`; without `--bench` (`cargo test
+//! --all-targets`) it makes a smoke run to 20,000 records.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -30,8 +31,17 @@ use http_body_util::{BodyExt, Full};
 use tower::{Layer, Service, ServiceExt};
 use tower_idempotency::{IdempotencyLayer, MemoryStore, WhenFull};
 
-/// Requests per measured window.
-const WINDOW: usize = 100_000;
+/// How much a run sends: the measurement's sizes with `--bench` (as `cargo bench` runs it);
+/// without it (`cargo test --all-targets`), a smoke run of a fraction of a second that checks
+/// every answer.
+struct Sizes {
+    /// Records the store is filled to (`--records`).
+    records: usize,
+    /// Requests per measured window.
+    window: usize,
+    /// The cap of the evicting store.
+    evict_cap: usize,
+}
 
 /// The `n`th key: 36 characters, as a UUID.
 fn key(n: usize) -> String {
@@ -140,11 +150,35 @@ fn main() {
     {
         return;
     }
-    let records: usize = args
+    let measuring = args.iter().any(|a| a == "--bench");
+    let mut sizes = if measuring {
+        Sizes {
+            records: 10_000_000,
+            window: 100_000,
+            evict_cap: 1_000_000,
+        }
+    } else {
+        println!(
+            "test mode (no --bench): a smoke run; `cargo bench --bench memory_scale` measures"
+        );
+        Sizes {
+            records: 20_000,
+            window: 2_000,
+            evict_cap: 10_000,
+        }
+    };
+    if let Some(n) = args
         .iter()
         .position(|a| a == "--records")
         .and_then(|i| args.get(i + 1))
-        .map_or(10_000_000, |n| n.parse().expect("--records N"));
+    {
+        sizes.records = n.parse().expect("--records N");
+    }
+    let Sizes {
+        records,
+        window,
+        evict_cap,
+    } = sizes;
     let mut checkpoints: Vec<usize> = [10_000, 1_000_000, records]
         .into_iter()
         .filter(|&c| c <= records)
@@ -165,7 +199,7 @@ fn main() {
             svc: IdempotencyLayer::new(store.clone()).layer(common::create_handler()),
             body: fill_body.clone(),
             len: 0,
-            took: Vec::with_capacity(records + checkpoints.len() * WINDOW),
+            took: Vec::with_capacity(records + checkpoints.len() * window),
             slowest: Vec::new(),
         };
         let rss_before = rss();
@@ -175,8 +209,8 @@ fn main() {
         for &at in &checkpoints {
             fill.add(at.saturating_sub(fill.len)).await;
             let held = fill.len;
-            let replays = WINDOW as f64 / fill.replay(WINDOW, &mut seed).await;
-            let new = WINDOW as f64 / fill.add(WINDOW).await;
+            let replays = window as f64 / fill.replay(window, &mut seed).await;
+            let new = window as f64 / fill.add(window).await;
             rows.push((held, new, replays));
         }
         let filled = started.elapsed();
@@ -220,29 +254,26 @@ fn main() {
         println!("slowest: {}", slowest.join(", "));
         drop(fill);
 
-        // A store full at `EVICT_CAP` records that evicts: every new key evicts the completed
+        // A store full at `evict_cap` records that evicts: every new key evicts the completed
         // record nearest its expiry, over all shards.
         let evicting = MemoryStore::new()
-            .with_max_entries(EVICT_CAP)
+            .with_max_entries(evict_cap)
             .with_when_full(WhenFull::EvictCompleted);
         let mut fill = Fill {
             svc: IdempotencyLayer::new(evicting.clone()).layer(common::create_handler()),
             body: fill_body,
             len: 0,
-            took: Vec::with_capacity(EVICT_CAP + WINDOW),
+            took: Vec::with_capacity(evict_cap + window),
             slowest: Vec::new(),
         };
-        fill.add(EVICT_CAP - WINDOW).await;
-        let not_full = WINDOW as f64 / fill.add(WINDOW).await;
-        let evicting_rate = WINDOW as f64 / fill.add(WINDOW).await;
-        assert_eq!(evicting.len(), EVICT_CAP);
+        fill.add(evict_cap - window).await;
+        let not_full = window as f64 / fill.add(window).await;
+        let evicting_rate = window as f64 / fill.add(window).await;
+        assert_eq!(evicting.len(), evict_cap);
         println!(
-            "new keys on a store full at {EVICT_CAP} records, evicting one each: {evicting_rate:.0}/s, \
+            "new keys on a store full at {evict_cap} records, evicting one each: {evicting_rate:.0}/s, \
              {:.3} of the {not_full:.0}/s just before it was full",
             evicting_rate / not_full
         );
     });
 }
-
-/// The cap of the evicting store.
-const EVICT_CAP: usize = 1_000_000;

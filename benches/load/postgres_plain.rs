@@ -129,7 +129,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
 /// The claim of a new key, by hand: the store's `INSERT` statement (what
 /// `ClaimStrategy::InsertFirst` and `ReadFirst` send to claim; `Combined` sends it inside its
 /// one claim statement).
-const HAND_CLAIM: &str = "
+pub(crate) const HAND_CLAIM: &str = "
 INSERT INTO tower_idempotency_keys AS k
        (scope, key, fingerprint, lease_token, lease_expires_at, expires_at)
 VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'),
@@ -153,7 +153,7 @@ const HAND_COMBINED_CLAIM: &str = "SELECT CASE WHEN scope IS NULL
           LEFT JOIN tower_idempotency_keys ON scope = $1 AND key = $2";
 
 /// The UPDATE that the store's completion function (`tower_idempotency_plain_complete`) runs.
-const HAND_COMPLETE: &str = "
+pub(crate) const HAND_COMPLETE: &str = "
 UPDATE tower_idempotency_keys
    SET lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
        expires_at = now() + $4::float8 * interval '1 millisecond',
@@ -173,8 +173,8 @@ const HAND_SELECT: &str = "SELECT fingerprint, lease_token, expires_at <= now() 
          WHERE scope = $1 AND key = $2";
 
 /// The layer's defaults, in milliseconds: lease 30 s, TTL 24 h.
-const LEASE_MS: i64 = 30_000;
-const TTL_MS: i64 = 24 * 3600 * 1000;
+pub(crate) const LEASE_MS: i64 = 30_000;
+pub(crate) const TTL_MS: i64 = 24 * 3600 * 1000;
 
 /// The `pg-plain-new` baselines' state: the pool, and the claim statement they send.
 #[derive(Clone)]

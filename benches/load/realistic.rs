@@ -10,6 +10,7 @@
 //! |---|---|---|
 //! | `realistic-plain` | `PostgresStore`, plain mode, around the handler (its own transaction) | the handler alone |
 //! | `realistic-tx` | `PostgresStore::transactional()`: the handler's statements in the layer's transaction, committed with the key | the handler alone, in its own transaction |
+//! | `realistic-plain-by-hand` (reference, no layer) | the handler in its own transaction between the plain store's cheapest statements sent by hand as prepared statements (its `INSERT … ON CONFLICT DO NOTHING` claim before, its completing `UPDATE` after, each in its own transaction): the least a plain-mode design costs | the handler alone |
 //! | `realistic-tx-record-only` (reference, no layer) | the handler in its own transaction, which also inserts the key's completed record before it commits (in the `COMMIT`'s message): no claim at all, the least that storing the answer with the handler's writes can cost | the handler alone |
 
 use std::net::SocketAddr;
@@ -33,6 +34,7 @@ use tower_idempotency::{IdempotencyLayer, IdempotentTx, PostgresStore, StoredRes
 
 use crate::BoxError;
 use crate::pg_schema::PgSchema;
+use crate::postgres_plain::{HAND_CLAIM, HAND_COMPLETE, LEASE_MS, TTL_MS};
 use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, fnv1a, key_of, problem};
 use crate::transactional::{PAYMENTS_DDL, payment_created, push_record_insert};
 
@@ -55,6 +57,15 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         build: |ctx| Box::pin(build(ctx, Side::Transactional)),
     },
     Scenario {
+        name: "realistic-plain-by-hand",
+        layer_side: "reference, no layer: the same handler between the plain store's \
+                     cheapest claim and completion, by hand and prepared: the ceiling of \
+                     plain mode",
+        baseline: "the same handler alone",
+        target: 0.95,
+        build: |ctx| Box::pin(build(ctx, Side::PlainByHand)),
+    },
+    Scenario {
         name: "realistic-tx-record-only",
         layer_side: "reference, no layer: the same handler in its own transaction, which \
                      also inserts the key's completed record (no claim): the ceiling of \
@@ -69,6 +80,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Side {
     Plain,
+    PlainByHand,
     Transactional,
     RecordOnly,
 }
@@ -208,6 +220,55 @@ async fn pay_layer_tx(
     }
 }
 
+/// The handler between the plain store's claim and completion, by hand
+/// (`realistic-plain-by-hand`).
+async fn pay_plain_by_hand(
+    State(payments): State<Payments>,
+    parts: Parts,
+    body: Bytes,
+) -> Response {
+    let Some(key) = key_of(&parts.headers).map(str::to_owned) else {
+        return problem(StatusCode::BAD_REQUEST);
+    };
+    let fp = fingerprint(&parts, &[], &body);
+    let paid = async {
+        let pool = &payments.pool;
+        let token: Option<i64> = sqlx::query_scalar(HAND_CLAIM)
+            .bind("")
+            .bind(&key)
+            .bind(&fp.as_bytes()[..])
+            .bind(LEASE_MS)
+            .bind(TTL_MS)
+            .fetch_optional(pool)
+            .await?;
+        let token = token.ok_or("the claim of a new key found a record")?;
+        let mut tx = pool.begin().await?;
+        let id = pay(&payments, &mut tx, &key).await?;
+        tx.commit().await?;
+        let (head, res_body) = payment_created(id, body.len()).into_parts();
+        let res_body = axum::body::to_bytes(res_body, usize::MAX).await?;
+        let stored = StoredResponse::new(head.status, head.headers.clone(), res_body.clone());
+        sqlx::query(HAND_COMPLETE)
+            .bind("")
+            .bind(&key)
+            .bind(token)
+            .bind(TTL_MS)
+            .bind(i16::try_from(head.status.as_u16())?)
+            .bind(stored.encode_headers())
+            .bind(&res_body[..])
+            .execute(pool)
+            .await?;
+        Ok::<_, BoxError>(Response::from_parts(head, axum::body::Body::from(res_body)))
+    };
+    match paid.await {
+        Ok(res) => res,
+        Err(e) => {
+            eprintln!("plain by hand: {e}");
+            problem(StatusCode::SERVICE_UNAVAILABLE)
+        }
+    }
+}
+
 /// The handler in its own transaction that also stores the key's completed record before it
 /// commits, with no claim (`realistic-tx-record-only`).
 async fn pay_record_only(State(payments): State<Payments>, parts: Parts, body: Bytes) -> Response {
@@ -280,6 +341,9 @@ async fn build(ctx: &Ctx, side: Side) -> Result<Built, BoxError> {
             .route(PATH, post(pay_own_tx))
             .with_state(payments)
             .layer(IdempotencyLayer::new(store)),
+        Side::PlainByHand => Router::new()
+            .route(PATH, post(pay_plain_by_hand))
+            .with_state(payments),
         Side::RecordOnly => Router::new()
             .route(PATH, post(pay_record_only))
             .with_state(payments),
