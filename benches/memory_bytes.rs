@@ -1,10 +1,10 @@
 //! What one record costs the memory store: the growth of the process's resident set (RSS, from
 //! `/proc/self/statm`, so Linux only) per completed record, for a small JSON answer.
 //!
-//! Claims and completes `N` keys (default 1,000,000, or 20,000 in the smoke run without `--bench`; `MEMORY_BYTES_N=…` to change it), each a
-//! 36-character key (a UUID's length) whose answer is `201`, a `content-type:
-//! application/json` header and a 60-byte JSON body, built afresh for each record as the
-//! layer does. Prints the RSS growth per record, and the store's own estimate of its bytes
+//! Claims and completes `N` keys (default 1,000,000, or 20,000 in the smoke run without
+//! `--bench`; `MEMORY_BYTES_N=…` to change it), each a 36-character key (a UUID's length)
+//! whose answer is `201`, a `content-type: application/json` header and a 60-byte JSON body,
+//! built afresh for each record as the layer does. Prints the RSS growth per record, and the store's own estimate of its bytes
 //! ([`MemoryStore::bytes`]). Run with `cargo bench --bench memory_bytes`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
