@@ -58,17 +58,6 @@ fn request(key: &str, body: &Bytes) -> Request<Full<Bytes>> {
         .unwrap()
 }
 
-/// The `rss` field of `/proc/self/statm`, in bytes (Linux; 0 elsewhere).
-fn rss() -> usize {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|p| p.parse::<usize>().ok())
-        .unwrap_or(0)
-        * 4096
-}
-
 /// The layer as it fills its store, with the latency of every request sent.
 struct Fill<S> {
     svc: S,
@@ -190,10 +179,7 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
-        // No limit: the figures are what the records cost, not what the defaults admit.
-        let store = MemoryStore::new()
-            .with_max_entries(usize::MAX)
-            .with_max_bytes(usize::MAX);
+        let store = common::unbounded_memory_store();
         let fill_body = Bytes::from_static(br#"{"order_id":4711,"amount_cents":1999,"currency":"EUR"}"#);
         let mut fill = Fill {
             svc: IdempotencyLayer::new(store.clone()).layer(common::create_handler()),
@@ -202,7 +188,7 @@ fn main() {
             took: Vec::with_capacity(records + checkpoints.len() * window),
             slowest: Vec::new(),
         };
-        let rss_before = rss();
+        let rss_before = common::rss();
         let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
         let mut rows = Vec::new();
         let started = Instant::now();
@@ -214,7 +200,7 @@ fn main() {
             rows.push((held, new, replays));
         }
         let filled = started.elapsed();
-        let grown = rss().saturating_sub(rss_before);
+        let grown = common::rss().saturating_sub(rss_before);
         let (_, new0, replay0) = rows[0];
         println!(
             "memory_scale: {} records in {filled:.1?}; RSS grew {:.0} B per record \

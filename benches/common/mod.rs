@@ -53,6 +53,60 @@ where
     })
 }
 
+/// A `MemoryStore` with no limit: the figures are what the records cost, not what the
+/// defaults admit.
+pub(crate) fn unbounded_memory_store() -> tower_idempotency::MemoryStore {
+    tower_idempotency::MemoryStore::new()
+        .with_max_entries(usize::MAX)
+        .with_max_bytes(usize::MAX)
+}
+
+/// Claims and completes `n` keys in `store` (`00000000-0000-4000-8000-000000000000`, …: 36
+/// characters, a UUID's length), each answered `201` with `content-type: application/json`
+/// and a 60-byte JSON body, built afresh for each record as the layer does. Every call of a
+/// memory store is ready at once, so the whole future is too.
+pub(crate) async fn fill_memory_store(store: &tower_idempotency::MemoryStore, n: usize) {
+    use tower_idempotency::{ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, Store};
+    let body = br#"{"id":"pay_0000000000","amount":100,"currency":"EUR","ok":0}"#;
+    let ttl = std::time::Duration::from_secs(24 * 3600);
+    for i in 0..n {
+        let key = IdempotencyKey::parse(&format!("{i:08x}-0000-4000-8000-000000000000")).unwrap();
+        let claim = ClaimRequest {
+            scope: "",
+            key: &key,
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            lease: std::time::Duration::from_secs(30),
+            ttl,
+        };
+        let ClaimOutcome::Acquired { token, .. } = store.claim(claim).await.unwrap() else {
+            panic!("filling: key {i} was not new");
+        };
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+        let answer = tower_idempotency::StoredResponse::new(
+            http::StatusCode::CREATED,
+            headers,
+            Bytes::copy_from_slice(body),
+        );
+        assert!(store.complete("", &key, token, &answer, ttl).await.unwrap());
+    }
+}
+
+/// The process's resident set (the `rss` field of `/proc/self/statm`), in bytes (Linux; 0
+/// elsewhere).
+pub(crate) fn rss() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse::<usize>().ok())
+        .unwrap_or(0)
+        * 4096
+}
+
 /// The server the Postgres benchmarks use: `DATABASE_URL`, or the local service.
 #[cfg(feature = "postgres")]
 pub(crate) fn database_url() -> String {

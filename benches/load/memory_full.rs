@@ -10,20 +10,14 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
 
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
-use bytes::Bytes;
-use http::HeaderMap;
-use tower_idempotency::{
-    ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, Store,
-    StoredResponse,
-};
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
 
-use crate::BoxError;
 use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, complete_replay_keys, create};
+use crate::{BoxError, common};
 
 /// The memory-full scenarios, in the order they run.
 pub(crate) const SCENARIOS: &[Scenario] = &[
@@ -46,20 +40,13 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
 /// `--full-records`, for [`new_full_routers`] (a plain `fn`, called before each side).
 static FULL_RECORDS: AtomicUsize = AtomicUsize::new(0);
 
-/// A store with no limit: the figures are what the records cost, not what the defaults admit.
-fn unbounded() -> MemoryStore {
-    MemoryStore::new()
-        .with_max_entries(usize::MAX)
-        .with_max_bytes(usize::MAX)
-}
-
 fn router(store: MemoryStore) -> Router {
     Router::new()
         .route(PATH, post(create))
         .layer(IdempotencyLayer::new(store))
 }
 
-/// The output of a memory store's call, which is ready at its first poll.
+/// The output of memory store calls, which are ready at their first poll.
 fn at_once<T>(call: impl Future<Output = T>) -> T {
     let mut call = std::pin::pin!(call);
     match call.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
@@ -68,35 +55,14 @@ fn at_once<T>(call: impl Future<Output = T>) -> T {
     }
 }
 
-/// Claims and completes `n` keys of its own in `store`, each answered with a small `201`.
-fn fill(store: &MemoryStore, n: usize) {
-    let answer = StoredResponse::new(
-        StatusCode::CREATED,
-        HeaderMap::new(),
-        Bytes::from_static(br#"{"id":4711,"status":"created","received":1024}"#),
-    );
-    let ttl = Duration::from_secs(24 * 3600);
-    for i in 0..n {
-        let key = IdempotencyKey::parse(&format!("{i:08x}-0000-4000-8000-000000000000")).unwrap();
-        let claim = ClaimRequest {
-            scope: "",
-            key: &key,
-            fingerprint: Fingerprint::from_bytes([7; 32]),
-            lease: Duration::from_secs(30),
-            ttl,
-        };
-        let ClaimOutcome::Acquired { token, .. } = at_once(store.claim(claim)).unwrap() else {
-            panic!("filling: key {i} was not new");
-        };
-        assert!(at_once(store.complete("", &key, token, &answer, ttl)).unwrap());
-    }
-}
-
 /// A full store for the layer side, an empty one for the baseline.
 fn new_full_routers() -> (Router, Router) {
-    let full = unbounded();
-    fill(&full, FULL_RECORDS.load(Ordering::Relaxed));
-    (router(full), router(unbounded()))
+    let full = common::unbounded_memory_store();
+    at_once(common::fill_memory_store(
+        &full,
+        FULL_RECORDS.load(Ordering::Relaxed),
+    ));
+    (router(full), router(common::unbounded_memory_store()))
 }
 
 async fn build_new_full(ctx: &Ctx) -> Result<Built, BoxError> {
@@ -116,9 +82,9 @@ async fn build_new_full(ctx: &Ctx) -> Result<Built, BoxError> {
 
 async fn build_replay_full(ctx: &Ctx) -> Result<Built, BoxError> {
     let (full, few) = (ctx.args.full_records, ctx.args.replay_keys);
-    let layer = router(unbounded());
+    let layer = router(common::unbounded_memory_store());
     complete_replay_keys(&layer, full).await?;
-    let baseline = router(unbounded());
+    let baseline = router(common::unbounded_memory_store());
     complete_replay_keys(&baseline, few).await?;
     Ok(Built {
         layer,

@@ -11,7 +11,9 @@ use axum::routing::post;
 use bytes::Bytes;
 use sqlx::{PgPool, Row};
 use tower_idempotency::fingerprint::fingerprint;
-use tower_idempotency::{ClaimStrategy, IdempotencyLayer, PostgresStore, StoredResponse};
+use tower_idempotency::{
+    ClaimStrategy, Fingerprint, IdempotencyLayer, PostgresStore, StoredResponse,
+};
 
 use crate::pg_schema::PgSchema;
 use crate::scenario::{
@@ -153,7 +155,7 @@ const HAND_COMBINED_CLAIM: &str = "SELECT CASE WHEN scope IS NULL
           LEFT JOIN tower_idempotency_keys ON scope = $1 AND key = $2";
 
 /// The UPDATE that the store's completion function (`tower_idempotency_plain_complete`) runs.
-pub(crate) const HAND_COMPLETE: &str = "
+const HAND_COMPLETE: &str = "
 UPDATE tower_idempotency_keys
    SET lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
        expires_at = now() + $4::float8 * interval '1 millisecond',
@@ -173,8 +175,8 @@ const HAND_SELECT: &str = "SELECT fingerprint, lease_token, expires_at <= now() 
          WHERE scope = $1 AND key = $2";
 
 /// The layer's defaults, in milliseconds: lease 30 s, TTL 24 h.
-pub(crate) const LEASE_MS: i64 = 30_000;
-pub(crate) const TTL_MS: i64 = 24 * 3600 * 1000;
+const LEASE_MS: i64 = 30_000;
+const TTL_MS: i64 = 24 * 3600 * 1000;
 
 /// The `pg-plain-new` baselines' state: the pool, and the claim statement they send.
 #[derive(Clone)]
@@ -207,18 +209,7 @@ async fn pg_plain(hand: &PlainBaseline, parts: &Parts, body: &Bytes) -> Result<R
         return Ok(problem(StatusCode::BAD_REQUEST));
     };
     let fp = fingerprint(parts, &[], body);
-    // The insert returns no row on a conflict; Combined's claim returns a row with a NULL
-    // token.
-    let token: Option<i64> = sqlx::query_scalar::<_, Option<i64>>(hand.claim)
-        .bind("")
-        .bind(key)
-        .bind(&fp.as_bytes()[..])
-        .bind(LEASE_MS)
-        .bind(TTL_MS)
-        .fetch_optional(pool)
-        .await?
-        .flatten();
-    let Some(token) = token else {
+    let Some(token) = hand_claim(pool, hand.claim, key, &fp).await? else {
         return Ok(problem(StatusCode::CONFLICT));
     };
     let answer = common::created_json(body.len());
@@ -229,17 +220,49 @@ async fn pg_plain(hand: &PlainBaseline, parts: &Parts, body: &Bytes) -> Result<R
     );
     let status = StatusCode::CREATED;
     let stored = StoredResponse::new(status, headers.clone(), answer.clone());
+    hand_complete(pool, key, token, &stored).await?;
+    Ok((status, headers, answer).into_response())
+}
+
+/// Claims `key` (shared scope) with `claim` ([`HAND_CLAIM`] or [`HAND_COMBINED_CLAIM`]), by
+/// hand: the new record's token, or `None` when the key has a record.
+pub(crate) async fn hand_claim(
+    pool: &PgPool,
+    claim: &'static str,
+    key: &str,
+    fp: &Fingerprint,
+) -> Result<Option<i64>, BoxError> {
+    // The insert returns no row on a conflict; Combined's claim returns a row with a NULL
+    // token.
+    Ok(sqlx::query_scalar::<_, Option<i64>>(claim)
+        .bind("")
+        .bind(key)
+        .bind(&fp.as_bytes()[..])
+        .bind(LEASE_MS)
+        .bind(TTL_MS)
+        .fetch_optional(pool)
+        .await?
+        .flatten())
+}
+
+/// Completes the record that `token` holds with `stored`, by hand ([`HAND_COMPLETE`]).
+pub(crate) async fn hand_complete(
+    pool: &PgPool,
+    key: &str,
+    token: i64,
+    stored: &StoredResponse,
+) -> Result<(), BoxError> {
     sqlx::query(HAND_COMPLETE)
         .bind("")
         .bind(key)
         .bind(token)
         .bind(TTL_MS)
-        .bind(i16::try_from(status.as_u16())?)
+        .bind(i16::try_from(stored.status().as_u16())?)
         .bind(stored.encode_headers())
-        .bind(&answer[..])
+        .bind(stored.body().map_or(&[][..], |b| &b[..]))
         .execute(pool)
         .await?;
-    Ok((status, headers, answer).into_response())
+    Ok(())
 }
 
 async fn build_pg_plain_new(

@@ -34,9 +34,9 @@ use tower_idempotency::{IdempotencyLayer, IdempotentTx, PostgresStore, StoredRes
 
 use crate::BoxError;
 use crate::pg_schema::PgSchema;
-use crate::postgres_plain::{HAND_CLAIM, HAND_COMPLETE, LEASE_MS, TTL_MS};
+use crate::postgres_plain::{HAND_CLAIM, hand_claim, hand_complete};
 use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, fnv1a, key_of, problem};
-use crate::transactional::{PAYMENTS_DDL, payment_created, push_record_insert};
+use crate::transactional::{PAYMENTS_DDL, commit_with_answer, payment_created};
 
 /// The realistic scenarios, in the order they run (first: their figure leads BENCHMARKS.md).
 pub(crate) const SCENARIOS: &[Scenario] = &[
@@ -233,31 +233,21 @@ async fn pay_plain_by_hand(
     let fp = fingerprint(&parts, &[], &body);
     let paid = async {
         let pool = &payments.pool;
-        let token: Option<i64> = sqlx::query_scalar(HAND_CLAIM)
-            .bind("")
-            .bind(&key)
-            .bind(&fp.as_bytes()[..])
-            .bind(LEASE_MS)
-            .bind(TTL_MS)
-            .fetch_optional(pool)
-            .await?;
-        let token = token.ok_or("the claim of a new key found a record")?;
+        let token = hand_claim(pool, HAND_CLAIM, &key, &fp)
+            .await?
+            .ok_or("the claim of a new key found a record")?;
         let mut tx = pool.begin().await?;
         let id = pay(&payments, &mut tx, &key).await?;
         tx.commit().await?;
         let (head, res_body) = payment_created(id, body.len()).into_parts();
         let res_body = axum::body::to_bytes(res_body, usize::MAX).await?;
-        let stored = StoredResponse::new(head.status, head.headers.clone(), res_body.clone());
-        sqlx::query(HAND_COMPLETE)
-            .bind("")
-            .bind(&key)
-            .bind(token)
-            .bind(TTL_MS)
-            .bind(i16::try_from(head.status.as_u16())?)
-            .bind(stored.encode_headers())
-            .bind(&res_body[..])
-            .execute(pool)
-            .await?;
+        hand_complete(
+            pool,
+            &key,
+            token,
+            &StoredResponse::new(head.status, head.headers.clone(), res_body.clone()),
+        )
+        .await?;
         Ok::<_, BoxError>(Response::from_parts(head, axum::body::Body::from(res_body)))
     };
     match paid.await {
@@ -286,16 +276,7 @@ async fn pay_record_only(State(payments): State<Payments>, parts: Parts, body: B
     let paid = async {
         sqlx::raw_sql("BEGIN").execute(&mut *conn).await?;
         let id = pay(&payments, &mut conn, &key).await?;
-        let (head, res_body) = payment_created(id, body.len()).into_parts();
-        let res_body = axum::body::to_bytes(res_body, usize::MAX).await?;
-        let stored = StoredResponse::new(head.status, head.headers.clone(), res_body.clone());
-        let mut sql = String::with_capacity(512 + 2 * res_body.len());
-        push_record_insert(&mut sql, &key, &fp, &stored);
-        sql.push_str("; COMMIT");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-            .execute(&mut *conn)
-            .await?;
-        Ok::<_, BoxError>(Response::from_parts(head, axum::body::Body::from(res_body)))
+        commit_with_answer(&mut conn, &key, &fp, None, payment_created(id, body.len())).await
     };
     match paid.await {
         Ok(res) => res,

@@ -249,33 +249,8 @@ async fn pay_by_hand(State(hand): State<ByHand>, parts: Parts, body: Bytes) -> R
             None
         };
         let id = insert_payment(&mut conn).await?;
-        let (head, res_body) = payment_created(id, body.len()).into_parts();
-        let res_body = axum::body::to_bytes(res_body, usize::MAX).await?;
-        let stored = StoredResponse::new(head.status, head.headers.clone(), res_body.clone());
-        let mut sql = String::with_capacity(512 + 2 * res_body.len());
-        match &placeholder {
-            Some(row) => {
-                sql.push_str("SELECT tower_idempotency_complete_tx('");
-                sql.push_str(row);
-                sql.push_str("',E'',");
-                push_text(&mut sql, key);
-                sql.push_str(",86400000,");
-                sql.push_str(head.status.as_str());
-                sql.push_str("::smallint,");
-                push_hex(&mut sql, &stored.encode_headers());
-                sql.push(',');
-                push_hex(&mut sql, &res_body);
-                sql.push_str("); COMMIT");
-            }
-            None => {
-                push_record_insert(&mut sql, key, &fp, &stored);
-                sql.push_str("; COMMIT");
-            }
-        }
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-            .execute(&mut *conn)
-            .await?;
-        Ok::<_, BoxError>(Response::from_parts(head, axum::body::Body::from(res_body)))
+        let answer = payment_created(id, body.len());
+        commit_with_answer(&mut conn, key, &fp, placeholder.as_deref(), answer).await
     };
     match paid.await {
         Ok(res) => res,
@@ -289,15 +264,47 @@ async fn pay_by_hand(State(hand): State<ByHand>, parts: Parts, body: Bytes) -> R
     }
 }
 
-/// Appends `text` as an `E'…'` constant, quotes and backslashes doubled, as the layer does.
-/// Appends the `INSERT` of the completed record of `key` (shared scope, a 24 h TTL) with
-/// `answer`: all that storing the answer in the handler's transaction costs, with no claim.
-pub(crate) fn push_record_insert(
-    sql: &mut String,
+/// Stores `answer` as the completed record of `key` (shared scope, a 24 h TTL) in the
+/// transaction open on `conn`, then commits, in one message: the layer's completion of the
+/// `placeholder` claimed by hand, or (`None`) an `INSERT` of the record, all that storing the
+/// answer in the handler's transaction costs with no claim. Returns the answer, read in full.
+pub(crate) async fn commit_with_answer(
+    conn: &mut sqlx::PgConnection,
     key: &str,
     fp: &Fingerprint,
-    answer: &StoredResponse,
-) {
+    placeholder: Option<&str>,
+    answer: Response,
+) -> Result<Response, BoxError> {
+    let (head, res_body) = answer.into_parts();
+    let res_body = axum::body::to_bytes(res_body, usize::MAX).await?;
+    let stored = StoredResponse::new(head.status, head.headers.clone(), res_body.clone());
+    let mut sql = String::with_capacity(512 + 2 * res_body.len());
+    match placeholder {
+        Some(row) => {
+            sql.push_str("SELECT tower_idempotency_complete_tx('");
+            sql.push_str(row);
+            sql.push_str("',E'',");
+            push_text(&mut sql, key);
+            sql.push_str(",86400000,");
+            sql.push_str(head.status.as_str());
+            sql.push_str("::smallint,");
+            push_hex(&mut sql, &stored.encode_headers());
+            sql.push(',');
+            push_hex(&mut sql, &res_body);
+            sql.push(')');
+        }
+        None => push_record_insert(&mut sql, key, fp, &stored),
+    }
+    sql.push_str("; COMMIT");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(conn)
+        .await?;
+    Ok(Response::from_parts(head, axum::body::Body::from(res_body)))
+}
+
+/// Appends the `INSERT` of the completed record of `key` (shared scope, a 24 h TTL) with
+/// `answer`.
+fn push_record_insert(sql: &mut String, key: &str, fp: &Fingerprint, answer: &StoredResponse) {
     sql.push_str(
         "INSERT INTO tower_idempotency_keys (scope, key, fingerprint, expires_at, completed_at, \
          response_status, response_headers, response_body) VALUES (E'',",
@@ -314,6 +321,7 @@ pub(crate) fn push_record_insert(
     sql.push(')');
 }
 
+/// Appends `text` as an `E'…'` constant, quotes and backslashes doubled, as the layer does.
 fn push_text(sql: &mut String, text: &str) {
     sql.push_str("E'");
     for c in text.chars() {
