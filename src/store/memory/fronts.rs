@@ -60,6 +60,14 @@ impl Fronts {
         front.store(at, Ordering::Relaxed);
     }
 
+    /// Whether shard `i` may hold a completed record expired by `now`: `false` means it holds
+    /// none, as its front is never later than its first completed record's expiry.
+    pub(super) fn has_expired(&self, i: usize, now: Instant) -> bool {
+        self.at
+            .get(i)
+            .is_none_or(|at| at.load(Ordering::Relaxed) <= self.nanos(now))
+    }
+
     /// The shards whose first completed record has expired by `now`.
     pub(super) fn expired_by(&self, now: Instant) -> impl Iterator<Item = usize> + '_ {
         let now = self.nanos(now);
