@@ -5,30 +5,62 @@
 //! runs with `IDEMPOTENCY=off`: it stores nothing, so the layer side also pays for what keeping
 //! the answers costs (the allocator's work on a heap that grows by two records per payment),
 //! which `memory-new`'s baseline, storing the same answers by hand, pays too.
+//!
+//! `memory-two-hops-by-hand` (a reference, no layer) puts the least a keyed hop can do in
+//! front of the same two routes, by hand: the SHA-256 fingerprint of the request, its key
+//! claimed in a map, the answer read and kept. Against the same baseline it is the ceiling of
+//! any layer that fingerprints and keeps the answers of both hops.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Request as AxumRequest, State};
 use axum::http::{HeaderValue, Request, StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-use tower_idempotency::{IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, MemoryStore};
+use tower_idempotency::fingerprint::fingerprint;
+use tower_idempotency::{
+    Fingerprint, IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, MemoryStore,
+};
 
 use crate::BoxError;
 use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, problem};
 
-/// The two-hop scenario.
-pub(crate) const SCENARIOS: &[Scenario] = &[Scenario {
-    name: "memory-two-hops",
-    layer_side: "the payments example's path in memory mode: a keyed route whose handler calls \
-                 a keyed provider route in process with <key>:charge, both on one MemoryStore",
-    baseline: "the same two routes without the layer (IDEMPOTENCY=off)",
-    target: 0.85,
-    build: |ctx| Box::pin(build_two_hops(ctx)),
-}];
+/// The two-hop scenarios.
+pub(crate) const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "memory-two-hops",
+        layer_side: "the payments example's path in memory mode: a keyed route whose handler \
+                     calls a keyed provider route in process with <key>:charge, both on one \
+                     MemoryStore",
+        baseline: "the same two routes without the layer (IDEMPOTENCY=off)",
+        target: 0.85,
+        build: |ctx| Box::pin(build_two_hops(ctx, Keyed::Layer)),
+    },
+    Scenario {
+        name: "memory-two-hops-by-hand",
+        layer_side: "reference, no layer: both routes behind a keyed step written by hand \
+                     (SHA-256 fingerprint, the key claimed in a map, the answer kept): the \
+                     ceiling of keeping both hops' answers",
+        baseline: "the same two routes without the layer (IDEMPOTENCY=off)",
+        target: 0.85,
+        build: |ctx| Box::pin(build_two_hops(ctx, Keyed::ByHand)),
+    },
+];
+
+/// What keys the two routes of a scenario's layer side.
+#[derive(Clone, Copy)]
+enum Keyed {
+    Layer,
+    ByHand,
+}
 
 /// The provider's answer to a charge.
 async fn charge(body: Bytes) -> Response {
@@ -72,27 +104,89 @@ async fn pay(State(provider): State<Router>, request: Request<Body>) -> Response
         .into_response()
 }
 
-fn payments(layer: Option<IdempotencyLayer<MemoryStore>>) -> Router {
-    let provider = Router::new().route("/charges", post(charge));
-    let provider = match &layer {
-        Some(layer) => provider.route_layer(layer.clone()),
-        None => provider,
+/// The two routes, `keyed` by the layer, by hand or (`None`) not at all.
+fn payments(keyed: Option<Keyed>) -> Router {
+    let layer = IdempotencyLayer::new(MemoryStore::new());
+    let hand = Answers::default();
+    let key = |router: Router| match keyed {
+        Some(Keyed::Layer) => router.route_layer(layer.clone()),
+        Some(Keyed::ByHand) => {
+            router.route_layer(middleware::from_fn_with_state(hand.clone(), by_hand))
+        }
+        None => router,
     };
-    let payments = Router::new().route(PATH, post(pay)).with_state(provider);
-    match layer {
-        Some(layer) => payments.route_layer(layer),
-        None => payments,
+    let provider = key(Router::new().route("/charges", post(charge)));
+    key(Router::new().route(PATH, post(pay)).with_state(provider))
+}
+
+/// The answers kept by hand, by key.
+#[derive(Clone, Default)]
+struct Answers(Arc<Mutex<HashMap<String, Kept>>>);
+
+impl Answers {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Kept>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
-/// A new pair for every side: the layer's store starts empty each time.
-fn two_hop_routers() -> (Router, Router) {
-    let layer = IdempotencyLayer::new(MemoryStore::new());
-    (payments(Some(layer)), payments(None))
+struct Kept {
+    fingerprint: Fingerprint,
+    /// `None` while the handler runs.
+    answer: Option<(StatusCode, Bytes)>,
 }
 
-async fn build_two_hops(_ctx: &Ctx) -> Result<Built, BoxError> {
-    let (layer, baseline) = two_hop_routers();
+/// The least a keyed hop does, by hand: fingerprint the request, claim its key (or answer
+/// from it), run the route, read and keep its answer.
+async fn by_hand(State(answers): State<Answers>, request: AxumRequest, next: Next) -> Response {
+    let (mut parts, body) = request.into_parts();
+    let Some(key) = parts
+        .headers
+        .get(IDEMPOTENCY_KEY)
+        .and_then(|v| IdempotencyKey::from_header(v).ok())
+    else {
+        return problem(StatusCode::BAD_REQUEST);
+    };
+    let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
+        return problem(StatusCode::BAD_REQUEST);
+    };
+    let fp = fingerprint(&parts, &[], &body);
+    match answers.lock().entry(key.as_str().to_owned()) {
+        Entry::Occupied(e) => {
+            let kept = e.get();
+            return match &kept.answer {
+                _ if kept.fingerprint != fp => problem(StatusCode::UNPROCESSABLE_ENTITY),
+                None => problem(StatusCode::CONFLICT),
+                Some((status, answer)) => (*status, answer.clone()).into_response(),
+            };
+        }
+        Entry::Vacant(v) => {
+            v.insert(Kept {
+                fingerprint: fp,
+                answer: None,
+            });
+        }
+    }
+    parts.extensions.insert(key.clone());
+    let response = next
+        .run(AxumRequest::from_parts(parts, Body::from(body)))
+        .await;
+    let (parts, body) = response.into_parts();
+    let Ok(answer) = body.collect().await.map(|b| b.to_bytes()) else {
+        return problem(StatusCode::INTERNAL_SERVER_ERROR);
+    };
+    if let Some(kept) = answers.lock().get_mut(key.as_str()) {
+        kept.answer = Some((parts.status, answer.clone()));
+    }
+    Response::from_parts(parts, Body::from(answer))
+}
+
+/// A new pair for every side: the layer's store (or the map) starts empty each time.
+fn two_hop_routers(keyed: Keyed) -> (Router, Router) {
+    (payments(Some(keyed)), payments(None))
+}
+
+async fn build_two_hops(_ctx: &Ctx, keyed: Keyed) -> Result<Built, BoxError> {
+    let (layer, baseline) = two_hop_routers(keyed);
     Ok(Built {
         layer,
         baseline,
@@ -100,7 +194,10 @@ async fn build_two_hops(_ctx: &Ctx) -> Result<Built, BoxError> {
         baseline_keys: None,
         expect: StatusCode::CREATED,
         schema: None,
-        fresh: Some(two_hop_routers),
+        fresh: Some(match keyed {
+            Keyed::Layer => || two_hop_routers(Keyed::Layer),
+            Keyed::ByHand => || two_hop_routers(Keyed::ByHand),
+        }),
         owned: None,
     })
 }
