@@ -34,7 +34,8 @@ impl Default for Fronts {
 }
 
 impl Fronts {
-    fn nanos(&self, at: Instant) -> u64 {
+    /// `at` as the index and the fronts keep it: nanoseconds after the store was made.
+    pub(super) fn nanos(&self, at: Instant) -> u64 {
         // Saturates past 584 years; records live 100 years at most (`MAX_SPAN`).
         u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(NONE - 1)
     }
@@ -53,10 +54,7 @@ impl Fronts {
     /// Shard `i` may have lost completed records: its front is read again (its lock held).
     pub(super) fn reset(&self, i: usize, index: &Index) {
         let Some(front) = self.at.get(i) else { return };
-        let at = index
-            .completed
-            .first_key_value()
-            .map_or(NONE, |(&(at, _), _)| self.nanos(at));
+        let at = index.completed.first().map_or(NONE, |first| first.at);
         front.store(at, Ordering::Relaxed);
     }
 

@@ -35,10 +35,11 @@ pub(crate) const DEFAULT_MAX_ENTRIES: usize = 1_000_000;
 /// The default [`MemoryStore::with_max_bytes`](super::MemoryStore::with_max_bytes): 1 GiB.
 pub(crate) const DEFAULT_MAX_BYTES: usize = 1 << 30;
 
-/// What a record costs besides its key, scope and answer: its slot (112 bytes, in a chunk of
-/// its shard), its place in the shard's map (which keeps spare places), its entry in the
-/// expiry index and its key's allocation. An estimate, checked against the resident memory
-/// of a million records by `benches/memory_bytes.rs`.
+/// What a record costs besides its key, scope and answer: its slot (120 bytes, in a chunk of
+/// its shard), its place in the shard's map (which keeps spare places), its item in the
+/// expiry index (24 bytes in a queue that keeps spare room) and its key's allocation. An
+/// estimate on the safe side, checked against the resident memory of a million records by
+/// `benches/memory_bytes.rs` (a record counted 391 bytes takes about 360).
 pub(crate) const RECORD_OVERHEAD: usize = 190;
 /// What a stored answer costs besides its header names and values and its body: its
 /// allocations and their bookkeeping. An estimate, as [`RECORD_OVERHEAD`].
