@@ -28,8 +28,9 @@ pub(crate) const SCENARIOS: &[Scenario] = &[Scenario {
     build: |ctx| Box::pin(build_memory_new(ctx)),
 }];
 
+/// A map of records kept by hand ([`memory_baseline`]).
 #[derive(Clone, Default)]
-struct MemoryBaseline(Arc<Mutex<HashMap<String, MemoryRecord>>>);
+pub(crate) struct MemoryBaseline(Arc<Mutex<HashMap<String, MemoryRecord>>>);
 
 struct MemoryRecord {
     fingerprint: Fingerprint,
@@ -45,7 +46,11 @@ impl MemoryBaseline {
 
 /// By hand, what the layer does with a memory store: fingerprint, claim the key in a map
 /// (or answer from it), run the handler, store the answer.
-async fn memory_baseline(State(map): State<MemoryBaseline>, parts: Parts, body: Bytes) -> Response {
+pub(crate) async fn memory_baseline(
+    State(map): State<MemoryBaseline>,
+    parts: Parts,
+    body: Bytes,
+) -> Response {
     let Some(key) = key_of(&parts.headers) else {
         return problem(StatusCode::BAD_REQUEST);
     };

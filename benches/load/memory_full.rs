@@ -6,6 +6,9 @@
 //! - `memory-replay-full`: replays drawn at random from all the layer side's
 //!   `--full-records` records, against replays drawn from the baseline store's
 //!   `--replay-keys` (10,000).
+//! - `memory-replay-full-by-hand` (a reference, no layer): the same replays answered by
+//!   `memory-new`'s baseline, a `Mutex<HashMap>` filled by hand, holding `--full-records`
+//!   against `--replay-keys`: what a map of that size costs a replay without the layer.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,6 +19,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
 
+use crate::memory::{MemoryBaseline, memory_baseline};
 use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, complete_replay_keys, create};
 use crate::{BoxError, common};
 
@@ -33,17 +37,36 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         layer_side: "replays drawn from a MemoryStore's --full-records records",
         baseline: "replays drawn from a MemoryStore's --replay-keys records",
         target: 0.9,
-        build: |ctx| Box::pin(build_replay_full(ctx)),
+        build: |ctx| Box::pin(build_replay_full(ctx, router)),
+    },
+    Scenario {
+        name: "memory-replay-full-by-hand",
+        layer_side: "reference, no layer: replays drawn from a map kept by hand (memory-new's \
+                     baseline) holding --full-records records",
+        baseline: "replays drawn from the same kind of map holding --replay-keys records",
+        target: 0.9,
+        build: |ctx| Box::pin(build_replay_full(ctx, by_hand)),
     },
 ];
 
 /// `--full-records`, for [`new_full_routers`] (a plain `fn`, called before each side).
 static FULL_RECORDS: AtomicUsize = AtomicUsize::new(0);
 
-fn router(store: MemoryStore) -> Router {
+fn router() -> Router {
+    with_layer(common::unbounded_memory_store())
+}
+
+fn with_layer(store: MemoryStore) -> Router {
     Router::new()
         .route(PATH, post(create))
         .layer(IdempotencyLayer::new(store))
+}
+
+/// `memory-new`'s baseline: the records kept by hand in a map.
+fn by_hand() -> Router {
+    Router::new()
+        .route(PATH, post(memory_baseline))
+        .with_state(MemoryBaseline::default())
 }
 
 /// The output of memory store calls, which are ready at their first poll.
@@ -62,7 +85,7 @@ fn new_full_routers() -> (Router, Router) {
         &full,
         FULL_RECORDS.load(Ordering::Relaxed),
     ));
-    (router(full), router(common::unbounded_memory_store()))
+    (with_layer(full), router())
 }
 
 async fn build_new_full(ctx: &Ctx) -> Result<Built, BoxError> {
@@ -80,11 +103,13 @@ async fn build_new_full(ctx: &Ctx) -> Result<Built, BoxError> {
     })
 }
 
-async fn build_replay_full(ctx: &Ctx) -> Result<Built, BoxError> {
+/// Replays from `full` records against replays from `few`, each side on a router that
+/// `make` builds empty.
+async fn build_replay_full(ctx: &Ctx, make: fn() -> Router) -> Result<Built, BoxError> {
     let (full, few) = (ctx.args.full_records, ctx.args.replay_keys);
-    let layer = router(common::unbounded_memory_store());
+    let layer = make();
     complete_replay_keys(&layer, full).await?;
-    let baseline = router(common::unbounded_memory_store());
+    let baseline = make();
     complete_replay_keys(&baseline, few).await?;
     Ok(Built {
         layer,
