@@ -300,8 +300,9 @@ impl Index {
         entry.place = self.queue(entry).push(Item { at, id, hash });
     }
 
-    /// Removes `entry` (expiring at `at` on the store's clock) from its state's queue.
-    fn remove(&mut self, entry: &Entry, at: u64) {
+    /// Removes `entry` (expiring at `at()` on the store's clock, asked for only when the
+    /// entry is in its queue's tree) from its state's queue.
+    fn remove(&mut self, entry: &Entry, at: impl FnOnce() -> u64) {
         self.queue(entry).remove(at, entry.id, entry.place);
     }
 }
@@ -675,7 +676,7 @@ impl Store for MemoryStore {
                 // Replaces the record in place: same key, so only its answer's bytes go.
                 let mut replace = |e: &mut Entry, takeover| {
                     let (entry, outcome) = fresh(takeover);
-                    index.remove(e, self.at(e.expires_at));
+                    index.remove(e, || self.at(e.expires_at));
                     let was_completed = matches!(e.state, State::Completed(_));
                     usage.freed(0, e.answer_bytes());
                     *e = entry;
@@ -741,12 +742,12 @@ impl Store for MemoryStore {
                 hash,
                 shard,
             }) => {
-                index.remove(e, self.at(e.expires_at));
+                index.remove(e, || self.at(e.expires_at));
                 e.state = State::Completed(Answer::encode(response));
                 e.expires_at = after(now, ttl);
                 let at = self.at(e.expires_at);
                 index.insert(hash, e, at);
-                self.inner.fronts.added(shard, e.expires_at);
+                self.inner.fronts.added(shard, at);
                 self.inner.usage.grew(e.answer_bytes());
                 true
             }
@@ -776,7 +777,7 @@ impl Store for MemoryStore {
         if let Some(record) = shard.take(hash, token.into_raw()) {
             shard
                 .index
-                .remove(&record.entry, self.at(record.entry.expires_at));
+                .remove(&record.entry, || self.at(record.entry.expires_at));
             drop(shard);
             self.inner.usage.freed(1, record.bytes());
         }
@@ -813,7 +814,7 @@ impl Store for MemoryStore {
                 // The record lives at least as long as the lease it now holds; it moves in
                 // the index only if that makes it live longer.
                 if until > e.expires_at {
-                    index.remove(e, self.at(e.expires_at));
+                    index.remove(e, || self.at(e.expires_at));
                     e.expires_at = until;
                     let at = self.at(e.expires_at);
                     index.insert(hash, e, at);

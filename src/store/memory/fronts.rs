@@ -40,10 +40,10 @@ impl Fronts {
         u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(NONE - 1)
     }
 
-    /// Shard `i` gained a completed record expiring `at` (its lock held).
-    pub(super) fn added(&self, i: usize, at: Instant) {
+    /// Shard `i` gained a completed record expiring `at` ([`nanos`](Self::nanos)), its lock
+    /// held.
+    pub(super) fn added(&self, i: usize, at: u64) {
         let Some(front) = self.at.get(i) else { return };
-        let at = self.nanos(at);
         // Most completions expire after the shard's front: read before writing, so that they
         // leave the shared line alone.
         if at < front.load(Ordering::Relaxed) {
