@@ -187,6 +187,71 @@ mod tests {
         assert_eq!(drain(&mut q), [(20, 2), (30, 3), (50, 5), (60, 6)]);
     }
 
+    /// Random pushes (mostly in order, some not), removals of live and gone items, and pops,
+    /// against a `BTreeMap` of the same items: the queue must agree at every step.
+    #[test]
+    fn agrees_with_a_sorted_map_under_random_operations() {
+        for (seed, limit) in [(1_u64, None), (2, Some(4)), (3, Some(64)), (4, Some(1))] {
+            let mut q = limit.map_or_else(Queue::default, Queue::bounded);
+            let mut model: BTreeMap<(u64, i64), u64> = BTreeMap::new();
+            // Every item pushed, with its place, live or not.
+            let mut pushed: Vec<(Item, u64)> = Vec::new();
+            let (mut state, mut clock, mut next_id) = (seed, 1_000_u64, 1_i64);
+            let mut random = move |n: u64| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state % n
+            };
+            for step in 0..20_000 {
+                match random(10) {
+                    // A push: expiries mostly grow, as `now + ttl` does; some come early.
+                    0..=4 => {
+                        clock += random(3);
+                        let at = if random(8) == 0 {
+                            clock.saturating_sub(random(500))
+                        } else {
+                            clock
+                        };
+                        let item = Item {
+                            at,
+                            id: next_id,
+                            hash: random(u64::MAX),
+                        };
+                        next_id += 1;
+                        let place = q.push(item);
+                        model.insert((item.at, item.id), item.hash);
+                        pushed.push((item, place));
+                    }
+                    // A removal of any item ever pushed: live ones go, gone ones are absent.
+                    5..=7 if !pushed.is_empty() => {
+                        let len = pushed.len() as u64;
+                        let i = usize::try_from(random(len)).unwrap();
+                        let (item, place) = pushed[i];
+                        let live = model.remove(&(item.at, item.id)).is_some();
+                        assert_eq!(q.remove(|| item.at, item.id, place), live, "step {step}");
+                    }
+                    _ => {
+                        let expected =
+                            model
+                                .pop_first()
+                                .map(|((at, id), hash)| Item { at, id, hash });
+                        assert_eq!(q.pop_first(), expected, "step {step}");
+                    }
+                }
+                let expected =
+                    model
+                        .first_key_value()
+                        .map(|(&(at, id), &hash)| Item { at, id, hash });
+                assert_eq!(q.first(), expected, "step {step}");
+                assert_eq!(q.len(), model.len(), "step {step}");
+                if let Some(limit) = limit {
+                    assert!(q.deque.len() <= limit, "step {step}: {}", q.deque.len());
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_long_lived_front_moves_to_the_tree_so_tombstones_do_not_pile_up() {
         let mut q = Queue::bounded(4);
