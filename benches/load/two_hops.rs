@@ -106,14 +106,19 @@ async fn pay(State(provider): State<Router>, request: Request<Body>) -> Response
 
 /// The two routes, `keyed` by the layer, by hand or (`None`) not at all.
 fn payments(keyed: Option<Keyed>) -> Router {
-    let layer = IdempotencyLayer::new(MemoryStore::new());
-    let hand = Answers::default();
-    let key = |router: Router| match keyed {
-        Some(Keyed::Layer) => router.route_layer(layer.clone()),
-        Some(Keyed::ByHand) => {
-            router.route_layer(middleware::from_fn_with_state(hand.clone(), by_hand))
+    // One store (or map) for both routes, as in the example.
+    let key: Box<dyn Fn(Router) -> Router> = match keyed {
+        Some(Keyed::Layer) => {
+            let layer = IdempotencyLayer::new(MemoryStore::new());
+            Box::new(move |router| router.route_layer(layer.clone()))
         }
-        None => router,
+        Some(Keyed::ByHand) => {
+            let hand = Answers::default();
+            Box::new(move |router| {
+                router.route_layer(middleware::from_fn_with_state(hand.clone(), by_hand))
+            })
+        }
+        None => Box::new(|router| router),
     };
     let provider = key(Router::new().route("/charges", post(charge)));
     key(Router::new().route(PATH, post(pay)).with_state(provider))
@@ -136,7 +141,8 @@ struct Kept {
 }
 
 /// The least a keyed hop does, by hand: fingerprint the request, claim its key (or answer
-/// from it), run the route, read and keep its answer.
+/// from it), run the route, read and keep its answer. A reference for the happy path only:
+/// it keeps no headers, never releases a key, and stores whatever the route answers.
 async fn by_hand(State(answers): State<Answers>, request: AxumRequest, next: Next) -> Response {
     let (mut parts, body) = request.into_parts();
     let Some(key) = parts
