@@ -50,7 +50,8 @@
 //! - the scenario groups, each with its own `SCENARIOS` table: `realistic.rs`
 //!   (`realistic-plain`, `realistic-tx`: a payment handler with three statements and a 2 ms
 //!   provider call, the figure that leads BENCHMARKS.md), `memory.rs` (`memory-new`), `memory_full.rs`
-//!   (`memory-new-full`, `memory-replay-full`: the store holding a million records), `two_hops.rs` (`memory-two-hops`: the payments example's
+//!   (`memory-new-full`, `memory-replay-full`: the store holding a million records;
+//!   `memory-replay-full-by-hand`: a map by hand as big), `two_hops.rs` (`memory-two-hops`: the payments example's
 //!   keyed path, against no layer at all; `memory-two-hops-by-hand`: its ceiling),
 //!   `postgres_plain.rs` (`pg-plain-new*`, `pg-replay*`), `transactional.rs` (`pg-tx*`),
 //!   `waiting.rs` (`memory-new-wait`, `*-notify`), `redis.rs` (`redis-*`, feature `redis`).
