@@ -42,6 +42,44 @@ impl MemoryBaseline {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, MemoryRecord>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// Claims `key` for a request fingerprinted `fp` (`None`); a key already there answers
+    /// instead: `422` for another payload, `409` while it runs, its stored answer (marked
+    /// replayed) once done.
+    pub(crate) fn claim(&self, key: &str, fp: Fingerprint) -> Option<Response> {
+        match self.lock().entry(key.to_owned()) {
+            Entry::Occupied(e) => {
+                let record = e.get();
+                Some(match &record.response {
+                    _ if record.fingerprint != fp => problem(StatusCode::UNPROCESSABLE_ENTITY),
+                    None => problem(StatusCode::CONFLICT),
+                    Some((status, answer)) => (
+                        *status,
+                        [
+                            (header::CONTENT_TYPE, "application/json"),
+                            (HeaderName::from_static("idempotent-replayed"), "true"),
+                        ],
+                        answer.clone(),
+                    )
+                        .into_response(),
+                })
+            }
+            Entry::Vacant(v) => {
+                v.insert(MemoryRecord {
+                    fingerprint: fp,
+                    response: None,
+                });
+                None
+            }
+        }
+    }
+
+    /// Stores the answer of the claimed `key`.
+    pub(crate) fn keep(&self, key: &str, status: StatusCode, answer: Bytes) {
+        if let Some(record) = self.lock().get_mut(key) {
+            record.response = Some((status, answer));
+        }
+    }
 }
 
 /// By hand, what the layer does with a memory store: fingerprint, claim the key in a map
@@ -54,35 +92,11 @@ pub(crate) async fn memory_baseline(
     let Some(key) = key_of(&parts.headers) else {
         return problem(StatusCode::BAD_REQUEST);
     };
-    let fp = fingerprint(&parts, &[], &body);
-    match map.lock().entry(key.to_owned()) {
-        Entry::Occupied(e) => {
-            let record = e.get();
-            return match &record.response {
-                _ if record.fingerprint != fp => problem(StatusCode::UNPROCESSABLE_ENTITY),
-                None => problem(StatusCode::CONFLICT),
-                Some((status, answer)) => (
-                    *status,
-                    [
-                        (header::CONTENT_TYPE, "application/json"),
-                        (HeaderName::from_static("idempotent-replayed"), "true"),
-                    ],
-                    answer.clone(),
-                )
-                    .into_response(),
-            };
-        }
-        Entry::Vacant(v) => {
-            v.insert(MemoryRecord {
-                fingerprint: fp,
-                response: None,
-            });
-        }
+    if let Some(answered) = map.claim(key, fingerprint(&parts, &[], &body)) {
+        return answered;
     }
     let answer = common::created_json(body.len());
-    if let Some(record) = map.lock().get_mut(key) {
-        record.response = Some((StatusCode::CREATED, answer.clone()));
-    }
+    map.keep(key, StatusCode::CREATED, answer.clone());
     (
         StatusCode::CREATED,
         [(header::CONTENT_TYPE, "application/json")],

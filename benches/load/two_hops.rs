@@ -11,10 +11,6 @@
 //! claimed in a map, the answer read and kept. Against the same baseline it is the ceiling of
 //! any layer that fingerprints and keeps the answers of both hops.
 
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
-use std::sync::{Arc, Mutex, PoisonError};
-
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request as AxumRequest, State};
@@ -26,11 +22,10 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_idempotency::fingerprint::fingerprint;
-use tower_idempotency::{
-    Fingerprint, IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, MemoryStore,
-};
+use tower_idempotency::{IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, MemoryStore};
 
 use crate::BoxError;
+use crate::memory::MemoryBaseline;
 use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, problem};
 
 /// The two-hop scenarios.
@@ -113,7 +108,7 @@ fn payments(keyed: Option<Keyed>) -> Router {
             Box::new(move |router| router.route_layer(layer.clone()))
         }
         Some(Keyed::ByHand) => {
-            let hand = Answers::default();
+            let hand = MemoryBaseline::default();
             Box::new(move |router| {
                 router.route_layer(middleware::from_fn_with_state(hand.clone(), by_hand))
             })
@@ -124,26 +119,15 @@ fn payments(keyed: Option<Keyed>) -> Router {
     key(Router::new().route(PATH, post(pay)).with_state(provider))
 }
 
-/// The answers kept by hand, by key.
-#[derive(Clone, Default)]
-struct Answers(Arc<Mutex<HashMap<String, Kept>>>);
-
-impl Answers {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Kept>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-struct Kept {
-    fingerprint: Fingerprint,
-    /// `None` while the handler runs.
-    answer: Option<(StatusCode, Bytes)>,
-}
-
-/// The least a keyed hop does, by hand: fingerprint the request, claim its key (or answer
-/// from it), run the route, read and keep its answer. A reference for the happy path only:
-/// it keeps no headers, never releases a key, and stores whatever the route answers.
-async fn by_hand(State(answers): State<Answers>, request: AxumRequest, next: Next) -> Response {
+/// The least a keyed hop does, by hand, with `memory-new`'s map: fingerprint the request,
+/// claim its key (or answer from it), run the route, read and keep its answer. A reference
+/// for the happy path only: it keeps no headers, never releases a key, and stores whatever
+/// the route answers.
+async fn by_hand(
+    State(answers): State<MemoryBaseline>,
+    request: AxumRequest,
+    next: Next,
+) -> Response {
     let (mut parts, body) = request.into_parts();
     let Some(key) = parts
         .headers
@@ -155,22 +139,8 @@ async fn by_hand(State(answers): State<Answers>, request: AxumRequest, next: Nex
     let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
         return problem(StatusCode::BAD_REQUEST);
     };
-    let fp = fingerprint(&parts, &[], &body);
-    match answers.lock().entry(key.as_str().to_owned()) {
-        Entry::Occupied(e) => {
-            let kept = e.get();
-            return match &kept.answer {
-                _ if kept.fingerprint != fp => problem(StatusCode::UNPROCESSABLE_ENTITY),
-                None => problem(StatusCode::CONFLICT),
-                Some((status, answer)) => (*status, answer.clone()).into_response(),
-            };
-        }
-        Entry::Vacant(v) => {
-            v.insert(Kept {
-                fingerprint: fp,
-                answer: None,
-            });
-        }
+    if let Some(answered) = answers.claim(key.as_str(), fingerprint(&parts, &[], &body)) {
+        return answered;
     }
     parts.extensions.insert(key.clone());
     let response = next
@@ -180,9 +150,7 @@ async fn by_hand(State(answers): State<Answers>, request: AxumRequest, next: Nex
     let Ok(answer) = body.collect().await.map(|b| b.to_bytes()) else {
         return problem(StatusCode::INTERNAL_SERVER_ERROR);
     };
-    if let Some(kept) = answers.lock().get_mut(key.as_str()) {
-        kept.answer = Some((parts.status, answer.clone()));
-    }
+    answers.keep(key.as_str(), parts.status, answer.clone());
     Response::from_parts(parts, Body::from(answer))
 }
 
