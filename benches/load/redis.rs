@@ -202,13 +202,18 @@ async fn build_redis_replay(ctx: &Ctx) -> Result<Built, BoxError> {
     })
 }
 
-/// A `redis-server` the scenario started (not daemonized), killed on drop.
-struct OwnedServer(std::process::Child);
+/// A `redis-server` the scenario started (not daemonized) and its working directory, both
+/// gone on drop.
+struct OwnedServer {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+}
 
 impl Drop for OwnedServer {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -217,14 +222,23 @@ async fn start_server(args: &[&str]) -> Result<(OwnedServer, u16), BoxError> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
+    // A replica writes the master's copy to `dump.rdb` in its directory whatever `--save`
+    // says: each server gets a directory of its own, not the working directory.
+    let dir = std::env::temp_dir().join(format!("ti-load-redis-{}-{port}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
     let child = std::process::Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no", "--logfile", ""])
+        .arg("--dir")
+        .arg(&dir)
         .args(args)
         .stdout(std::process::Stdio::null())
         .spawn()
-        .map_err(|e| format!("redis-wait needs redis-server on PATH: {e}"))?;
-    let server = OwnedServer(child);
+        .map_err(|e| {
+            let _ = std::fs::remove_dir_all(&dir);
+            format!("redis-wait needs redis-server on PATH: {e}")
+        })?;
+    let server = OwnedServer { child, dir };
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
     for _ in 0..200 {
         if let Ok(mut c) = client.get_multiplexed_async_connection().await {
