@@ -35,8 +35,8 @@ use crate::mode::Keyed;
 use crate::rejection::Rejection;
 use crate::response::StoredResponse;
 use crate::service::{
-    Buffered, InFlightGauge, Outcome, Taken, ToStore, answer_taken, lease_lost, log_store_error,
-    read_request, record, render, store_call, to_store,
+    Buffered, InFlightGauge, Operation, Outcome, Taken, ToStore, answer_taken, lease_lost,
+    log_store_error, read_request, record, render, store_call, to_store,
 };
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
 use crate::wait::claim_or_wait;
@@ -207,7 +207,7 @@ where
         let claim = || {
             // The lease runs from some moment after this: renewals count from here.
             let sent = Instant::now();
-            let call = store_call("claim", config.store_timeout, store.claim(request));
+            let call = store_call(Operation::Claim, config.store_timeout, store.claim(request));
             async move {
                 Ok(match call.await? {
                     ClaimOutcome::Acquired { token, takeover } => Ok((token, takeover, sent)),
@@ -511,7 +511,7 @@ async fn renew<St: Store>(held: Held<St>, lease: Duration, signal: Lease) {
         let sent = Instant::now();
         // A renewal slower than a period counts as failed: the next one is due.
         let renewal = store.renew(&scope, &key, token, lease);
-        match store_call("renew", period.min(timeout), renewal).await {
+        match store_call(Operation::Renew, period.min(timeout), renewal).await {
             Ok(true) => {
                 confirmed = sent;
                 tracing::trace!("idempotency lease renewed");
@@ -566,7 +566,7 @@ impl<St: Store> Held<St> {
         let complete = self
             .store
             .complete(&self.scope, &self.key, self.token, stored, ttl);
-        match store_call("complete", self.timeout, complete).await {
+        match store_call(Operation::Complete, self.timeout, complete).await {
             Ok(true) => {}
             Ok(false) => tracing::warn!(
                 "idempotency lease was lost while the handler ran (another request took the key \
@@ -581,7 +581,7 @@ impl<St: Store> Held<St> {
 
     async fn release(self) {
         let release = self.store.release(&self.scope, &self.key, self.token);
-        match store_call("release", self.timeout, release).await {
+        match store_call(Operation::Release, self.timeout, release).await {
             Ok(_) => tracing::debug!("idempotency key released"),
             Err(err) => {
                 log_store_error(&err, "release a key; it stays locked until its lease ends")

@@ -251,19 +251,76 @@ pub(crate) enum Outcome {
     Rejected,
 }
 
-impl Outcome {
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Executed => "executed",
-            Self::Takeover => "takeover",
-            Self::Replayed => "replayed",
-            Self::InFlight => "in_flight",
-            Self::Mismatch => "mismatch",
-            Self::StoreError => "store_error",
-            Self::Rejected => "rejected",
+/// Names the values of an enum for tracing and metrics: `as_str`, and (feature `metrics`)
+/// `label`, the name as a label under `$key` in a static, so that recording it allocates
+/// nothing. (`metrics::counter!(name, "key" => value)` with a value that is not a literal
+/// builds a `Vec` of labels at every call: a keyed request would pay two or three.)
+macro_rules! named {
+    ($ty:ident, $key:literal, { $($variant:ident => $name:literal),+ $(,)? }) => {
+        impl $ty {
+            // `Operation`'s is read by metrics only.
+            #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+            pub(crate) fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $name),+
+                }
+            }
+
+            #[cfg(feature = "metrics")]
+            fn label(self) -> &'static [metrics::Label] {
+                match self {
+                    $(Self::$variant => {
+                        static LABEL: [metrics::Label; 1] =
+                            [metrics::Label::from_static_parts($key, $name)];
+                        &LABEL
+                    }),+
+                }
+            }
         }
-    }
+    };
 }
+
+named!(Outcome, "outcome", {
+    Executed => "executed",
+    Takeover => "takeover",
+    Replayed => "replayed",
+    InFlight => "in_flight",
+    Mismatch => "mismatch",
+    StoreError => "store_error",
+    Rejected => "rejected",
+});
+
+/// A store call, as [`store_call`] names it in metrics (the label `operation`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Operation {
+    /// The claim of a key.
+    Claim,
+    /// Storing the answer (plain mode).
+    Complete,
+    /// Giving a key back.
+    Release,
+    /// Renewing a lease.
+    Renew,
+    /// Transactional mode's completion.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    Commit,
+    /// A waiting duplicate's wait for the key to change.
+    Watch,
+}
+
+named!(Operation, "operation", {
+    Claim => "claim",
+    Complete => "complete",
+    Release => "release",
+    Renew => "renew",
+    Commit => "commit",
+    Watch => "watch",
+});
+
+/// Where the crate's metrics come from, as `metrics::counter!` would say it.
+#[cfg(feature = "metrics")]
+static METADATA: metrics::Metadata<'static> =
+    metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
 
 /// A key whose record is there already, as a claim found it.
 pub(crate) enum Taken {
@@ -308,15 +365,17 @@ pub(crate) fn record(outcome: Outcome) {
     }
     tracing::debug!(outcome = outcome.as_str(), "idempotency outcome");
     #[cfg(feature = "metrics")]
-    metrics::counter!("tower_idempotency_requests_total", "outcome" => outcome.as_str())
-        .increment(1);
+    metrics::with_recorder(|recorder| {
+        let key =
+            metrics::Key::from_static_parts("tower_idempotency_requests_total", outcome.label());
+        recorder.register_counter(&key, &METADATA).increment(1);
+    });
 }
 
-/// Runs one store call (`operation` names it in metrics: `claim`, `complete`, `release`,
-/// `renew`, `commit`), bounded by the layer's store timeout: a call that does not answer in
+/// Runs one store call (`operation` names it in metrics), bounded by the layer's store timeout: a call that does not answer in
 /// time is dropped and becomes [`StoreError::Timeout`].
 pub(crate) async fn store_call<T>(
-    operation: &'static str,
+    operation: Operation,
     limit: Duration,
     call: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
@@ -340,8 +399,14 @@ pub(crate) async fn store_call<T>(
     };
     #[cfg(feature = "metrics")]
     {
-        metrics::histogram!("tower_idempotency_store_call_seconds", "operation" => operation)
-            .record(started.elapsed().as_secs_f64());
+        let seconds = started.elapsed().as_secs_f64();
+        metrics::with_recorder(|recorder| {
+            let key = metrics::Key::from_static_parts(
+                "tower_idempotency_store_call_seconds",
+                operation.label(),
+            );
+            recorder.register_histogram(&key, &METADATA).record(seconds);
+        });
         if let Err(err) = &result {
             let kind = if matches!(err, StoreError::Timeout(_)) {
                 "timeout"
@@ -350,7 +415,7 @@ pub(crate) async fn store_call<T>(
             };
             metrics::counter!(
                 "tower_idempotency_store_errors_total",
-                "operation" => operation,
+                "operation" => operation.as_str(),
                 "kind" => kind
             )
             .increment(1);

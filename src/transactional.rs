@@ -114,8 +114,8 @@ use crate::mode::{Keyed, Mode, Sealed};
 use crate::rejection::Rejection;
 use crate::response::StoredResponse;
 use crate::service::{
-    InFlightGauge, Outcome, Prepared, Taken, answer_taken, log_store_error, prepare, record,
-    render, store_call, to_store,
+    InFlightGauge, Operation, Outcome, Prepared, Taken, answer_taken, log_store_error, prepare,
+    record, render, store_call, to_store,
 };
 use crate::store::PostgresStore;
 use crate::store::listen::wake_statement;
@@ -695,7 +695,7 @@ impl Sealed for Transactional {
                 fingerprint.as_bytes(),
                 config.store_timeout,
             );
-            store_call("claim", config.store_timeout, claim)
+            store_call(Operation::Claim, config.store_timeout, claim)
         };
         let claimed = claim_or_wait(&config, &self.store, &scope, &key, claim).await;
         let (tx, placeholder) = match claimed {
@@ -746,7 +746,7 @@ impl Sealed for Transactional {
         // transaction (dropped with the completion), and the COMMIT, if the server got it,
         // may have happened. The client gets 503; its retry replays the answer if it did,
         // and runs the handler if it did not.
-        match store_call("commit", config.store_timeout, completion).await {
+        match store_call(Operation::Commit, config.store_timeout, completion).await {
             Ok(Completion::Committed) => Ok(response),
             Ok(Completion::StoredAlone) => {
                 tracing::warn!(

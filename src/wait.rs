@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use crate::error::StoreError;
 use crate::key::IdempotencyKey;
 use crate::layer::Config;
-use crate::service::{Taken, store_call};
+use crate::service::{Operation, Taken, store_call};
 use crate::store::Store;
 
 /// The longest a waiter sleeps between two claims when its store says when keys change: a
@@ -104,7 +104,11 @@ where
         // Subscribed before the claim, so a change after the claim wakes this waiter.
         let watch = tokio::time::timeout(
             left,
-            store_call("watch", config.store_timeout, store.watch(scope, key)),
+            store_call(
+                Operation::Watch,
+                config.store_timeout,
+                store.watch(scope, key),
+            ),
         )
         .await;
         let watch = match watch {
