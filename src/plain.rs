@@ -35,7 +35,7 @@ use crate::mode::Keyed;
 use crate::rejection::Rejection;
 use crate::response::StoredResponse;
 use crate::service::{
-    Buffered, InFlightGauge, Operation, Outcome, Taken, ToStore, answer_taken, lease_lost,
+    Buffered, InFlightGauge, Keep, Operation, Outcome, Taken, ToStore, answer_taken, lease_lost,
     log_store_error, read_request, record, render, store_call, to_store,
 };
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
@@ -301,7 +301,7 @@ pin_project! {
                 runtime.spawn(async move {
                     let (_, stored) = answer.await;
                     match stored {
-                        Some(stored) => held.complete(&stored, ttl).await,
+                        Some(stored) => held.complete(&stored.answer, ttl).await,
                         None => held.release().await,
                     }
                 });
@@ -318,7 +318,10 @@ pin_project! {
         Reading { answer: Option<ToStore<B>> },
         // Storing the answer did not finish at its first poll: it goes on in a task of its
         // own, which finishes even if this future is dropped meanwhile.
-        Storing { response: Option<Response<ResponseBody<B>>>, task: tokio::task::JoinHandle<()> },
+        Storing {
+            response: Option<(Response<ResponseBody<B>>, Keep)>,
+            task: tokio::task::JoinHandle<()>,
+        },
         // A 5xx, a failed response body or a handler error: nothing is stored, and the key is
         // released so that a retry runs the handler again.
         Releasing { result: Option<Result<Response<ResponseBody<B>>, E>>, release: BoxTask },
@@ -391,24 +394,29 @@ where
                 StateProj::Reading {
                     answer: Some(answer),
                 } => match Pin::new(answer).poll(cx) {
-                    Poll::Ready((response, Some(stored))) => {
+                    Poll::Ready((mut response, Some(stored))) => {
                         // The handler's work is done: from here on, a dropped request must not
                         // release the key (a retry would run the handler twice).
                         let Some(held) = this.guard.held.take() else {
+                            stored.restore(&mut response);
                             this.state.set(State::Done);
                             return Poll::Ready(Ok(response));
                         };
                         let ttl = this.config.ttl;
+                        let answer = stored.answer.clone();
                         let mut completion: BoxTask =
-                            Box::pin(async move { held.complete(&stored, ttl).await });
+                            Box::pin(async move { held.complete(&answer, ttl).await });
                         // Most stores finish at the first poll (the memory store always does);
                         // only a pending completion moves to a task.
                         if completion.as_mut().poll(cx).is_ready() {
+                            // Dropped first, so that the headers come back without a copy.
+                            drop(completion);
+                            stored.restore(&mut response);
                             this.state.set(State::Done);
                             return Poll::Ready(Ok(response));
                         }
                         State::Storing {
-                            response: Some(response),
+                            response: Some((response, stored)),
                             task: tokio::spawn(completion),
                         }
                     }
@@ -425,9 +433,12 @@ where
                             "storing the answer panicked"
                         );
                     }
-                    let response = response.take();
+                    let response = response.take().map(|(mut response, stored)| {
+                        stored.restore(&mut response);
+                        Ok(response)
+                    });
                     this.state.set(State::Done);
-                    return finished(response.map(Ok));
+                    return finished(response);
                 }
                 StateProj::Releasing { result, release } => {
                     ready!(release.as_mut().poll(cx));

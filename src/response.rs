@@ -204,6 +204,19 @@ impl ReplayedHeaders {
     }
 }
 
+/// Whether every header of a live response is stored for replay, as most answers' are (they
+/// carry no header that is dropped, and so no `Connection` header either).
+pub(crate) fn keeps_every_header(
+    headers: &HeaderMap,
+    keep_set_cookie: bool,
+    policy: &ReplayedHeaders,
+) -> bool {
+    policy.keeps_all()
+        && headers
+            .keys()
+            .all(|name| is_replayable_header(name, keep_set_cookie))
+}
+
 /// Copies the headers of a live response that are stored for replay.
 pub(crate) fn replayable_headers(
     headers: &HeaderMap,
@@ -212,13 +225,8 @@ pub(crate) fn replayable_headers(
 ) -> HeaderMap {
     let kept =
         |name: &HeaderName| is_replayable_header(name, keep_set_cookie) && policy.keeps(name);
-    // Most answers carry no header that is dropped (and so no `Connection` header either):
-    // copied whole, the map is not rehashed entry by entry.
-    if policy.keeps_all()
-        && headers
-            .keys()
-            .all(|name| is_replayable_header(name, keep_set_cookie))
-    {
+    // Copied whole, the map is not rehashed entry by entry.
+    if keeps_every_header(headers, keep_set_cookie, policy) {
         return headers.clone();
     }
     // Headers named by `Connection` are hop-by-hop too.

@@ -20,7 +20,9 @@ use crate::key::IdempotencyKey;
 use crate::layer::{Config, KeySource};
 use crate::mode::{Keyed, Mode, Sealed};
 use crate::rejection::Rejection;
-use crate::response::{IDEMPOTENT_REPLAYED, ReplayedHeaders, StoredResponse, replayable_headers};
+use crate::response::{
+    IDEMPOTENT_REPLAYED, ReplayedHeaders, StoredResponse, keeps_every_header, replayable_headers,
+};
 
 /// Middleware that runs each keyed request's handler once and replays its answer to
 /// retries. Made by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -594,8 +596,31 @@ enum Read<E> {
     Failed(E),
 }
 
+/// An answer to store, read by [`ToStore`].
+///
+/// When every header of the response is stored, the response lends them to the stored answer
+/// and goes to the client without them until [`Keep::restore`] gives them back: after the
+/// store is done with the answer, that takes no copy (a store that keeps a clone of the answer
+/// gets one made).
+pub(crate) struct Keep {
+    pub(crate) answer: StoredResponse,
+    lent: bool,
+}
+
+impl Keep {
+    /// Gives `response` back the headers it lent, if it did. Call it once the store no longer
+    /// holds the answer, and before the response leaves the layer.
+    pub(crate) fn restore<B>(self, response: &mut Response<B>) {
+        if self.lent {
+            *response.headers_mut() = self.answer.into_parts().1;
+        }
+    }
+}
+
 impl<B: Body<Data = Bytes>> Future for ToStore<B> {
-    type Output = (Response<ResponseBody<B>>, Option<StoredResponse>);
+    /// The response for the client (without its headers when it lent them to the [`Keep`]),
+    /// and what to store of it.
+    type Output = (Response<ResponseBody<B>>, Option<Keep>);
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let read = match &mut self.0 {
@@ -647,12 +672,22 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
                 policy,
                 ..
             } => {
-                let stored = |body| {
-                    let headers = replayable_headers(&parts.headers, keep_set_cookie, &policy);
-                    match body {
+                let mut parts = parts;
+                // An answer whose headers are all stored lends them to what is stored (most
+                // do): the response gets them back once the store is done with it (see
+                // `Keep`), instead of a copy of the map.
+                let lend = keeps_every_header(&parts.headers, keep_set_cookie, &policy);
+                let mut stored = |body| {
+                    let headers = if lend {
+                        std::mem::take(&mut parts.headers)
+                    } else {
+                        replayable_headers(&parts.headers, keep_set_cookie, &policy)
+                    };
+                    let answer = match body {
                         Some(bytes) => StoredResponse::new(parts.status, headers, bytes),
                         None => StoredResponse::without_body(parts.status, headers),
-                    }
+                    };
+                    Keep { answer, lent: lend }
                 };
                 let (body, stored) = match read {
                     Read::Complete => {

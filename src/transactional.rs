@@ -728,7 +728,7 @@ impl Sealed for Transactional {
                 return Err(e);
             }
         };
-        let (response, stored) = to_store(&config, response).await;
+        let (mut response, stored) = to_store(&config, response).await;
         let Some(stored) = stored else {
             // A 5xx, or a body that failed: roll the handler's writes back.
             rollback(handle.take(), notify).await;
@@ -741,19 +741,23 @@ impl Sealed for Transactional {
             return Ok(render(&config, &Rejection::StoreUnavailable));
         };
         let bounds = self.store.bounds();
-        let completion = complete(tx, &placeholder, config.ttl, &stored, bounds, notify);
+        let completion = complete(tx, &placeholder, config.ttl, &stored.answer, bounds, notify);
         // A timeout here leaves the outcome unknown: the connection is closed with the
         // transaction (dropped with the completion), and the COMMIT, if the server got it,
         // may have happened. The client gets 503; its retry replays the answer if it did,
         // and runs the handler if it did not.
         match store_call(Operation::Commit, config.store_timeout, completion).await {
-            Ok(Completion::Committed) => Ok(response),
+            Ok(Completion::Committed) => {
+                stored.restore(&mut response);
+                Ok(response)
+            }
             Ok(Completion::StoredAlone) => {
                 tracing::warn!(
-                    status = stored.status().as_u16(),
+                    status = stored.answer.status().as_u16(),
                     "the idempotent handler answered after a statement of its transaction \
                      failed: its writes were rolled back, and its answer was stored with the key"
                 );
+                stored.restore(&mut response);
                 Ok(response)
             }
             // The handler's own work conflicted with another transaction's, found at the

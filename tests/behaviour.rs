@@ -212,6 +212,22 @@ async fn first_request_runs_and_repeat_replays_byte_for_byte<F: Fixture>(fx: &F)
     assert_eq!(calls.get("/pay"), 1, "handler ran once");
 }
 
+async fn the_live_answer_keeps_every_header_it_stores<F: Fixture>(fx: &F) {
+    let calls = Calls::default();
+    let app = build(layer(fx.store()), &calls);
+    for n in 0..3 {
+        let res = app(req("POST", "/headers", Some("k"), "b")).await;
+        assert_eq!(res.status, StatusCode::CREATED);
+        assert_eq!(res.replayed(), n > 0);
+        assert_eq!(res.text(), "call #1");
+        assert_eq!(res.headers["content-type"], "application/json");
+        assert_eq!(res.headers["x-call"], "1");
+        let many: Vec<_> = res.headers.get_all("x-many").iter().collect();
+        assert_eq!(many, ["one", "two"]);
+    }
+    assert_eq!(calls.get("/headers"), 1);
+}
+
 async fn set_cookie_is_replayed_when_configured<F: Fixture>(fx: &F) {
     let calls = Calls::default();
     let app = build(layer(fx.store()).with_replayed_set_cookie(true), &calls);
@@ -852,6 +868,7 @@ async fn oversized_response_reaches_the_client_and_is_never_rerun<F: Fixture>(fx
     let app = build(layer(fx.store()).with_max_response_body(4096), &calls);
     let first = app(req("POST", "/big?n=10000", Some("k"), "")).await;
     assert_eq!(first.status, 200);
+    assert_eq!(first.headers["content-type"], "text/plain");
     assert_eq!(first.body.len(), 10000, "the client gets the whole answer");
     assert_eq!(&first.body[..1024], &[b'a'; 1024][..]);
     assert_eq!(&first.body[9216..], &vec![b'j'; 784][..]);
@@ -1079,6 +1096,7 @@ macro_rules! suite {
 
 suite!(
     first_request_runs_and_repeat_replays_byte_for_byte,
+    the_live_answer_keeps_every_header_it_stores,
     set_cookie_is_replayed_when_configured,
     quoted_and_bare_keys_are_the_same_key,
     missing_key_is_400_and_optional_key_passes_through,

@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::Full;
 use sqlx::PgPool;
 use support::{Answer, PgSchema, read, req};
@@ -113,6 +113,9 @@ impl Fx {
                 };
                 let mut res = Response::new(Full::new(Bytes::from(format!("payment {id}"))));
                 *res.status_mut() = status;
+                let h = res.headers_mut();
+                h.insert("content-type", HeaderValue::from_static("text/plain"));
+                h.insert("x-payment", HeaderValue::from(id));
                 Ok::<_, std::io::Error>(res)
             }
         });
@@ -137,10 +140,14 @@ async fn key_and_writes_commit_together_and_repeats_replay() {
     let first = app(req("POST", "/pay", Some("k"), "b")).await;
     assert_eq!(first.status, 201, "{}", first.text());
     assert_eq!((fx.payments().await, fx.keys().await), (1, 1));
+    // The live answer keeps the headers it lent to the stored one while it committed.
+    assert_eq!(first.headers["content-type"], "text/plain");
+    assert!(first.headers.contains_key("x-payment"));
     for _ in 0..2 {
         let again = app(req("POST", "/pay", Some("k"), "b")).await;
         assert!(again.replayed(), "{} {}", again.status, again.text());
         assert_eq!(again.body, first.body);
+        assert_eq!(again.headers["x-payment"], first.headers["x-payment"]);
     }
     app(req("POST", "/pay", Some("k"), "other"))
         .await

@@ -357,6 +357,16 @@ pub fn handler(
                 "/panic" => panic!("handler panicked on purpose"),
                 "/error" => return Err(std::io::Error::other("service error")),
                 "/key" => return Ok(full(StatusCode::OK, key.unwrap_or_default())),
+                "/headers" => {
+                    // Only headers that are stored: the answer lends them all to the store.
+                    let mut res = full(StatusCode::CREATED, format!("call #{n}"));
+                    let h = res.headers_mut();
+                    h.insert("content-type", HeaderValue::from_static("application/json"));
+                    h.insert("x-call", HeaderValue::from(n));
+                    h.append("x-many", HeaderValue::from_static("one"));
+                    h.append("x-many", HeaderValue::from_static("two"));
+                    return Ok(res);
+                }
                 "/big" => {
                     let total = usize::try_from(num("n")).unwrap();
                     let chunks: Vec<Result<http_body::Frame<Bytes>, std::io::Error>> = (0..total
