@@ -46,58 +46,8 @@ while getopts "c:j:T:k:h" opt; do
     esac
 done
 
-url="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
-# The crate's sqlx is built without TLS, so the harness talks to Postgres in plaintext; so
-# does pgbench here (libpq would otherwise negotiate TLS with a server that has ssl = on).
-export PGSSLMODE="${PGSSLMODE:-disable}"
-schema="pgbench_$$_$(date +%s)"
-export PGOPTIONS="-c search_path=$schema"
-
-psql_q() { psql "$url" -v ON_ERROR_STOP=1 -q -X "$@"; }
-
-cleanup() { PGOPTIONS="" psql_q -c "DROP SCHEMA IF EXISTS $schema CASCADE" >/dev/null 2>&1 || true; }
-trap cleanup EXIT
-
-PGOPTIONS="" psql_q -c "CREATE SCHEMA $schema"
-for m in "$root"/migrations/*.sql; do
-    psql_q -f "$m"
-done
-# The pg-tx handler's table (the same as in benches/load/transactional.rs).
-psql_q -c "CREATE TABLE payments (
-    id           bigserial   PRIMARY KEY,
-    order_id     bigint      NOT NULL,
-    amount_cents bigint      NOT NULL,
-    currency     text        NOT NULL,
-    created_at   timestamptz NOT NULL DEFAULT now()
-)"
-
-fill_replay_keys() {
-    # The same record the layer leaves for a completed 201: fingerprint, one header, the body.
-    psql_q <<SQL
-TRUNCATE tower_idempotency_keys;
-INSERT INTO tower_idempotency_keys
-       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at, completed_at,
-        response_status, response_headers, response_body)
-SELECT '', 'replay-' || i,
-       '\x2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881'::bytea,
-       NULL, NULL, now() + interval '1 day', now(), 201,
-       '\x000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e'::bytea,
-       convert_to('{"id":4711,"status":"created","received":1024}', 'UTF8')
-  FROM generate_series(0, $keys - 1) AS i;
-ANALYZE tower_idempotency_keys;
-SQL
-}
-
-declare -A tps
-bench() {
-    local script="$1" mode="${2:-prepared}" out
-    out="$(pgbench "$url" -n -M "$mode" -c "$clients" -j "$threads" -T "$seconds" \
-        -D nkeys="$keys" -f "$here/$script" 2>&1)" || { echo "$out" >&2; exit 1; }
-    tps[$script]="$(echo "$out" | sed -n 's/^tps = \([0-9]*\).*/\1/p' | head -1)"
-    local lat
-    lat="$(echo "$out" | sed -n 's/^latency average = \(.*\)$/\1/p')"
-    printf '%-30s %10s tps   latency average %s\n' "$script" "${tps[$script]}" "$lat"
-}
+# shellcheck source=lib.sh
+. "$here/lib.sh"
 
 echo "pgbench: $clients clients, $threads threads, $seconds s each, $keys replay keys, schema $schema"
 fill_replay_keys
