@@ -135,17 +135,19 @@ where
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             // The task keeps the span of the caller (an outer trace layer's), as polling in
-            // place would.
+            // place would. Without one (no subscriber, or none at this level) the future is not
+            // wrapped: the wrapper would be moved, polled and dropped for nothing.
             let span = if span.is_disabled() {
                 tracing::Span::current()
             } else {
                 span
             };
-            return ResponseFuture::detached(
-                Box::pin(run.instrument(span)),
-                runtime,
-                spawn_keyed::<ResBody, S::Error>,
-            );
+            let future: BoxResponseFuture<ResBody, S::Error> = if span.is_none() {
+                Box::pin(run)
+            } else {
+                Box::pin(run.instrument(span))
+            };
+            return ResponseFuture::detached(future, runtime, spawn_keyed::<ResBody, S::Error>);
         }
         if span.is_disabled() {
             ResponseFuture::keyed(Box::pin(run))
