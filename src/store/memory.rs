@@ -4,8 +4,6 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store};
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
@@ -244,9 +242,10 @@ struct Record {
     entry: Entry,
 }
 
+/// Times are on the store's clock ([`Fronts::now`]): nanoseconds since the store was made.
 struct Entry {
     fingerprint: Fingerprint,
-    expires_at: Instant,
+    expires_at: u64,
     /// The raw token of the claim that made the record: unique, so it names the record in
     /// the [`Index`].
     id: i64,
@@ -256,7 +255,7 @@ struct Entry {
 }
 
 enum State {
-    InProgress { lease_until: Instant },
+    InProgress { lease_until: u64 },
     Completed(Answer),
 }
 
@@ -458,9 +457,9 @@ impl MemoryStore {
         self.inner.usage.bytes()
     }
 
-    /// `at` on the store's clock, as its index and fronts keep times.
-    fn at(&self, at: Instant) -> u64 {
-        self.inner.fronts.nanos(at)
+    /// Now, on the store's clock ([`Fronts::now`]).
+    fn now(&self) -> u64 {
+        self.inner.fronts.now()
     }
 
     /// The hash of a (scope, key), its shard's number and its shard, locked.
@@ -482,13 +481,13 @@ impl MemoryStore {
 
     /// Removes expired records from the front of shard `i`'s index, at most `max` in this
     /// hold of its lock; counts them.
-    fn sweep(&self, i: usize, shard: &mut Shard, now: Instant, max: usize, running: bool) -> usize {
+    fn sweep(&self, i: usize, shard: &mut Shard, now: u64, max: usize, running: bool) -> usize {
         // Nothing to do for completed records unless the shard's front has passed: most
         // claims leave the index untouched (its first entry is a walk down the tree).
         if !running && !self.inner.fronts.has_expired(i, now) {
             return 0;
         }
-        let (n, bytes, _looked) = shard.sweep(self.at(now), max, running);
+        let (n, bytes, _looked) = shard.sweep(now, max, running);
         if n > 0 {
             self.inner.fronts.reset(i, &shard.index);
         }
@@ -509,7 +508,7 @@ impl MemoryStore {
             if usage.try_reserve(bytes) {
                 return true;
             }
-            let now = Instant::now();
+            let now = self.now();
             let mut freed = 0;
             // Only the shards holding expired answers, found by their fronts.
             for i in self.inner.fronts.expired_by(now) {
@@ -567,10 +566,10 @@ impl MemoryStore {
         scope: &str,
         key: &IdempotencyKey,
         token: LeaseToken,
-        f: impl FnOnce(Option<Held<'_>>, Instant) -> T,
+        f: impl FnOnce(Option<Held<'_>>, u64) -> T,
     ) -> T {
         let (hash, i, mut shard) = self.shard(scope, key);
-        let now = Instant::now();
+        let now = self.now();
         let Shard { records, index } = &mut *shard;
         let entry = records
             .get_mut(hash)
@@ -603,15 +602,13 @@ struct Held<'a> {
 /// its intervals, so both stores agree on huge durations.
 const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
-/// `now + d`, saturating: `d` is capped at [`MAX_SPAN`], so `Duration::MAX` means "never".
-fn after(now: Instant, d: Duration) -> Instant {
-    let d = d.min(MAX_SPAN);
-    // `Instant` counts from an arbitrary origin (the boot, on most platforms): 100 years past
-    // now fits in its 64-bit seconds or nanoseconds. Should a platform's not, a day is the
-    // fallback rather than a panic.
-    now.checked_add(d)
-        .or_else(|| now.checked_add(d.min(Duration::from_secs(24 * 3600))))
-        .unwrap_or(now)
+/// `now + d` on the store's clock, saturating: `d` is capped at [`MAX_SPAN`], so
+/// `Duration::MAX` means "never".
+fn after(now: u64, d: Duration) -> u64 {
+    // 100 years is about 3.2e18 nanoseconds: it fits in a `u64`, so the cast cannot truncate.
+    #[allow(clippy::cast_possible_truncation)]
+    let d = d.min(MAX_SPAN).as_nanos() as u64;
+    now.saturating_add(d)
 }
 
 /// The hash of a (scope, key): the scope's length, the scope and the key, in one write when
@@ -648,7 +645,7 @@ impl Store for MemoryStore {
         let mut reserved = false;
         loop {
             let (hash, i, mut shard) = self.shard(req.scope, req.key);
-            let now = Instant::now();
+            let now = self.now();
             self.sweep(i, &mut shard, now, SWEEP_PER_CLAIM, false);
             let fresh = |takeover: bool| {
                 let token = next_token();
@@ -676,12 +673,11 @@ impl Store for MemoryStore {
                 // Replaces the record in place: same key, so only its answer's bytes go.
                 let mut replace = |e: &mut Entry, takeover| {
                     let (entry, outcome) = fresh(takeover);
-                    index.remove(e, || self.at(e.expires_at));
+                    index.remove(e, || e.expires_at);
                     let was_completed = matches!(e.state, State::Completed(_));
                     usage.freed(0, e.answer_bytes());
                     *e = entry;
-                    let at = self.at(e.expires_at);
-                    index.insert(hash, e, at);
+                    index.insert(hash, e, e.expires_at);
                     if was_completed {
                         self.inner.fronts.reset(i, index);
                     }
@@ -698,7 +694,7 @@ impl Store for MemoryStore {
                     State::Completed(answer) => Ok(ClaimOutcome::Completed(answer.decode()?)),
                     State::InProgress { lease_until } if *lease_until > now => {
                         Ok(ClaimOutcome::InFlight {
-                            retry_after: *lease_until - now,
+                            retry_after: Duration::from_nanos(*lease_until - now),
                         })
                     }
                     State::InProgress { .. } => Ok(replace(e, true)),
@@ -706,7 +702,7 @@ impl Store for MemoryStore {
             }
             if reserved || usage.try_reserve(bytes) {
                 let (mut entry, outcome) = fresh(false);
-                let at = self.at(entry.expires_at);
+                let at = entry.expires_at;
                 index.insert(hash, &mut entry, at);
                 let record = Record {
                     scope: req.scope.into(),
@@ -742,10 +738,10 @@ impl Store for MemoryStore {
                 hash,
                 shard,
             }) => {
-                index.remove(e, || self.at(e.expires_at));
+                index.remove(e, || e.expires_at);
                 e.state = State::Completed(Answer::encode(response));
                 e.expires_at = after(now, ttl);
-                let at = self.at(e.expires_at);
+                let at = e.expires_at;
                 index.insert(hash, e, at);
                 self.inner.fronts.added(shard, at);
                 self.inner.usage.grew(e.answer_bytes());
@@ -777,7 +773,7 @@ impl Store for MemoryStore {
         if let Some(record) = shard.take(hash, token.into_raw()) {
             shard
                 .index
-                .remove(&record.entry, || self.at(record.entry.expires_at));
+                .remove(&record.entry, || record.entry.expires_at);
             drop(shard);
             self.inner.usage.freed(1, record.bytes());
         }
@@ -814,10 +810,9 @@ impl Store for MemoryStore {
                 // The record lives at least as long as the lease it now holds; it moves in
                 // the index only if that makes it live longer.
                 if until > e.expires_at {
-                    index.remove(e, || self.at(e.expires_at));
+                    index.remove(e, || e.expires_at);
                     e.expires_at = until;
-                    let at = self.at(e.expires_at);
-                    index.insert(hash, e, at);
+                    index.insert(hash, e, until);
                 }
                 true
             }
@@ -832,7 +827,7 @@ impl Store for MemoryStore {
             loop {
                 // At most `batch` records per hold of the lock, taken from the front of the
                 // expiry index: a purge never scans a shard, nor stalls its requests.
-                let n = self.sweep(i, &mut lock(shard), Instant::now(), batch, true);
+                let n = self.sweep(i, &mut lock(shard), self.now(), batch, true);
                 deleted += n as u64;
                 if n < batch {
                     break;
@@ -1044,6 +1039,52 @@ mod tests {
         tokio::time::advance(Duration::from_secs(5)).await;
         assert_eq!(store.purge_expired(1_000).await.unwrap(), 100);
         assert_eq!(store.len(), 1_000);
+    }
+
+    #[test]
+    fn a_store_made_after_a_paused_clock_started_reads_that_clock_right() {
+        // The runtime's clock stops when it is built; the store, made 300 ms later outside
+        // it, then sees times before its own making. Answers must live their TTL and
+        // leases their length all the same, not read as expired (nor longer) because those
+        // times came before the store.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let store = colliding();
+        rt.block_on(async {
+            let (done, running) = (
+                IdempotencyKey::parse("done").unwrap(),
+                IdempotencyKey::parse("running").unwrap(),
+            );
+            let brief = |key| ClaimRequest {
+                lease: Duration::from_millis(100),
+                ttl: Duration::from_millis(100),
+                ..claim("", key)
+            };
+            let t = token(store.claim(brief(&done)).await.unwrap());
+            let answer = StoredResponse::new(StatusCode::OK, HeaderMap::new(), Bytes::new());
+            let ttl = Duration::from_millis(50);
+            assert!(store.complete("", &done, t, &answer, ttl).await.unwrap());
+            token(store.claim(brief(&running)).await.unwrap());
+
+            tokio::time::advance(Duration::from_millis(40)).await;
+            assert_eq!(store.purge_expired(10).await.unwrap(), 0);
+            assert_eq!(
+                store.claim(brief(&done)).await.unwrap(),
+                ClaimOutcome::Completed(answer.clone())
+            );
+            assert_eq!(
+                store.claim(brief(&running)).await.unwrap(),
+                ClaimOutcome::InFlight {
+                    retry_after: Duration::from_millis(60)
+                }
+            );
+            tokio::time::advance(Duration::from_millis(20)).await;
+            assert_eq!(store.purge_expired(10).await.unwrap(), 1);
+        });
     }
 
     #[tokio::test(start_paused = true)]

@@ -10,6 +10,7 @@
 //! the shard it picked and takes that shard's first completed record as it is by then.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use tokio::time::Instant;
 
@@ -18,7 +19,13 @@ use super::{Index, SHARDS};
 /// No completed record.
 const NONE: u64 = u64::MAX;
 
-/// Each shard's first completed expiry, in nanoseconds after the store was made.
+/// The store's making on its clock ([`Fronts::now`]): 2⁶² ns, about 146 years. A time before
+/// it still reads right, not as zero: a store made outside a Tokio runtime whose clock is
+/// paused (as tests do) sees that runtime's earlier times. Its latest time, 146 years after
+/// plus 100 years of TTL, stays below [`NONE`].
+const ORIGIN: u64 = 1 << 62;
+
+/// Each shard's first completed expiry, on the store's clock ([`Fronts::now`]).
 pub(super) struct Fronts {
     epoch: Instant,
     at: [AtomicU64; SHARDS],
@@ -34,13 +41,20 @@ impl Default for Fronts {
 }
 
 impl Fronts {
-    /// `at` as the index and the fronts keep it: nanoseconds after the store was made.
-    pub(super) fn nanos(&self, at: Instant) -> u64 {
-        // Saturates past 584 years; records live 100 years at most (`MAX_SPAN`).
-        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(NONE - 1)
+    /// The store's clock, as records, the index and the fronts keep times: nanoseconds, with
+    /// the store's making at [`ORIGIN`] (one clock read and one conversion per store call;
+    /// the rest is integer arithmetic).
+    pub(super) fn now(&self) -> u64 {
+        let now = Instant::now();
+        // Saturates 146 years either side; records live 100 years at most (`MAX_SPAN`).
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(ORIGIN);
+        match now.checked_duration_since(self.epoch) {
+            Some(since) => ORIGIN.saturating_add(nanos(since)),
+            None => ORIGIN.saturating_sub(nanos(self.epoch - now)),
+        }
     }
 
-    /// Shard `i` gained a completed record expiring `at` ([`nanos`](Self::nanos)), its lock
+    /// Shard `i` gained a completed record expiring `at` (on the store's clock), its lock
     /// held.
     pub(super) fn added(&self, i: usize, at: u64) {
         let Some(front) = self.at.get(i) else { return };
@@ -60,15 +74,14 @@ impl Fronts {
 
     /// Whether shard `i` may hold a completed record expired by `now`: `false` means it holds
     /// none, as its front is never later than its first completed record's expiry.
-    pub(super) fn has_expired(&self, i: usize, now: Instant) -> bool {
+    pub(super) fn has_expired(&self, i: usize, now: u64) -> bool {
         self.at
             .get(i)
-            .is_none_or(|at| at.load(Ordering::Relaxed) <= self.nanos(now))
+            .is_none_or(|at| at.load(Ordering::Relaxed) <= now)
     }
 
     /// The shards whose first completed record has expired by `now`.
-    pub(super) fn expired_by(&self, now: Instant) -> impl Iterator<Item = usize> + '_ {
-        let now = self.nanos(now);
+    pub(super) fn expired_by(&self, now: u64) -> impl Iterator<Item = usize> + '_ {
         self.at
             .iter()
             .enumerate()
