@@ -70,6 +70,14 @@ impl StoredResponse {
         (inner.status, inner.headers, inner.body)
     }
 
+    /// The headers alone (copied only when a store still holds this response).
+    pub(crate) fn into_headers(mut self) -> HeaderMap {
+        match Arc::get_mut(&mut self.0) {
+            Some(inner) => std::mem::take(&mut inner.headers),
+            None => self.0.headers.clone(),
+        }
+    }
+
     /// Encodes the headers for storage: for each header, a big-endian `u16` name length,
     /// the name, a `u32` value length and the value.
     pub fn encode_headers(&self) -> Vec<u8> {

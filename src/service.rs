@@ -137,10 +137,12 @@ where
             // The task keeps the span of the caller (an outer trace layer's), as polling in
             // place would. Without one (no subscriber, or none at this level) the future is not
             // wrapped: the wrapper would be moved, polled and dropped for nothing.
-            let span = if span.is_disabled() {
+            let span = if !span.is_disabled() {
+                span
+            } else if tracing::dispatcher::has_been_set() {
                 tracing::Span::current()
             } else {
-                span
+                tracing::Span::none()
             };
             let future: BoxResponseFuture<ResBody, S::Error> = if span.is_none() {
                 Box::pin(run)
@@ -614,7 +616,7 @@ impl Keep {
     /// holds the answer, and before the response leaves the layer.
     pub(crate) fn restore<B>(self, response: &mut Response<B>) {
         if self.lent {
-            *response.headers_mut() = self.answer.into_parts().1;
+            *response.headers_mut() = self.answer.into_headers();
         }
     }
 }
