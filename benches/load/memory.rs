@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
 use tower_idempotency::fingerprint::fingerprint;
-use tower_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore};
+use tower_idempotency::{Fingerprint, IdempotencyLayer};
 
 use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, create, key_of, problem};
 use crate::{BoxError, common};
@@ -111,7 +111,7 @@ pub(crate) async fn memory_baseline(
 fn memory_routers() -> (Router, Router) {
     let layer = Router::new()
         .route(PATH, post(create))
-        .layer(IdempotencyLayer::new(MemoryStore::new()));
+        .layer(IdempotencyLayer::new(common::unbounded_memory_store()));
     let baseline = Router::new()
         .route(PATH, post(memory_baseline))
         .with_state(MemoryBaseline::default());

@@ -22,11 +22,11 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_idempotency::fingerprint::fingerprint;
-use tower_idempotency::{IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, MemoryStore};
+use tower_idempotency::{IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer};
 
-use crate::BoxError;
 use crate::memory::MemoryBaseline;
 use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, problem};
+use crate::{BoxError, common};
 
 /// The two-hop scenarios.
 pub(crate) const SCENARIOS: &[Scenario] = &[
@@ -104,7 +104,7 @@ fn payments(keyed: Option<Keyed>) -> Router {
     // One store (or map) for both routes, as in the example.
     let key: Box<dyn Fn(Router) -> Router> = match keyed {
         Some(Keyed::Layer) => {
-            let layer = IdempotencyLayer::new(MemoryStore::new());
+            let layer = IdempotencyLayer::new(common::unbounded_memory_store());
             Box::new(move |router| router.route_layer(layer.clone()))
         }
         Some(Keyed::ByHand) => {

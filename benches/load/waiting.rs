@@ -9,12 +9,12 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, PostgresStore};
+use tower_idempotency::{IdempotencyLayer, PostgresStore};
 
-use crate::BoxError;
 use crate::pg_schema::PgSchema;
 use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, create};
 use crate::transactional::{PAYMENTS_DDL, pay_in_layer_tx};
+use crate::{BoxError, common};
 
 /// The waiting scenarios, in the order they run.
 pub(crate) const SCENARIOS: &[Scenario] = &[
@@ -49,12 +49,12 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
 const WAIT: Duration = Duration::from_secs(10);
 
 fn memory_wait_routers() -> (Router, Router) {
-    let layer = Router::new()
-        .route(PATH, post(create))
-        .layer(IdempotencyLayer::new(MemoryStore::new()).with_wait_for_completion(WAIT));
+    let layer = Router::new().route(PATH, post(create)).layer(
+        IdempotencyLayer::new(common::unbounded_memory_store()).with_wait_for_completion(WAIT),
+    );
     let baseline = Router::new()
         .route(PATH, post(create))
-        .layer(IdempotencyLayer::new(MemoryStore::new()));
+        .layer(IdempotencyLayer::new(common::unbounded_memory_store()));
     (layer, baseline)
 }
 
