@@ -378,8 +378,9 @@ pub(crate) fn record(outcome: Outcome) {
     });
 }
 
-/// Runs one store call (`operation` names it in metrics), bounded by the layer's store timeout: a call that does not answer in
-/// time is dropped and becomes [`StoreError::Timeout`].
+/// Runs one store call (`operation` names it in metrics), bounded by the layer's store
+/// timeout: a call that does not answer in time is dropped and becomes
+/// [`StoreError::Timeout`].
 pub(crate) async fn store_call<T>(
     operation: Operation,
     limit: Duration,
