@@ -242,7 +242,7 @@ struct Record {
     entry: Entry,
 }
 
-/// Times are on the store's clock ([`Fronts::now`]): nanoseconds since the store was made.
+/// Times are on the store's clock ([`Fronts::now`]).
 struct Entry {
     fingerprint: Fingerprint,
     expires_at: u64,
@@ -292,17 +292,17 @@ impl Index {
         }
     }
 
-    /// Adds `entry` (of `hash`, expiring at `at` on the store's clock) to its state's queue,
-    /// and notes its place there.
-    fn insert(&mut self, hash: u64, entry: &mut Entry, at: u64) {
-        let id = entry.id;
+    /// Adds `entry` (of `hash`) to its state's queue at its expiry, and notes its place
+    /// there.
+    fn insert(&mut self, hash: u64, entry: &mut Entry) {
+        let (at, id) = (entry.expires_at, entry.id);
         entry.place = self.queue(entry).push(Item { at, id, hash });
     }
 
-    /// Removes `entry` (expiring at `at()` on the store's clock, asked for only when the
-    /// entry is in its queue's tree) from its state's queue.
-    fn remove(&mut self, entry: &Entry, at: impl FnOnce() -> u64) {
-        self.queue(entry).remove(at, entry.id, entry.place);
+    /// Removes `entry` from its state's queue.
+    fn remove(&mut self, entry: &Entry) {
+        self.queue(entry)
+            .remove(entry.expires_at, entry.id, entry.place);
     }
 }
 
@@ -673,11 +673,11 @@ impl Store for MemoryStore {
                 // Replaces the record in place: same key, so only its answer's bytes go.
                 let mut replace = |e: &mut Entry, takeover| {
                     let (entry, outcome) = fresh(takeover);
-                    index.remove(e, || e.expires_at);
+                    index.remove(e);
                     let was_completed = matches!(e.state, State::Completed(_));
                     usage.freed(0, e.answer_bytes());
                     *e = entry;
-                    index.insert(hash, e, e.expires_at);
+                    index.insert(hash, e);
                     if was_completed {
                         self.inner.fronts.reset(i, index);
                     }
@@ -702,8 +702,7 @@ impl Store for MemoryStore {
             }
             if reserved || usage.try_reserve(bytes) {
                 let (mut entry, outcome) = fresh(false);
-                let at = entry.expires_at;
-                index.insert(hash, &mut entry, at);
+                index.insert(hash, &mut entry);
                 let record = Record {
                     scope: req.scope.into(),
                     key: req.key.clone(),
@@ -738,12 +737,11 @@ impl Store for MemoryStore {
                 hash,
                 shard,
             }) => {
-                index.remove(e, || e.expires_at);
+                index.remove(e);
                 e.state = State::Completed(Answer::encode(response));
                 e.expires_at = after(now, ttl);
-                let at = e.expires_at;
-                index.insert(hash, e, at);
-                self.inner.fronts.added(shard, at);
+                index.insert(hash, e);
+                self.inner.fronts.added(shard, e.expires_at);
                 self.inner.usage.grew(e.answer_bytes());
                 true
             }
@@ -771,9 +769,7 @@ impl Store for MemoryStore {
             return Ok(false);
         }
         if let Some(record) = shard.take(hash, token.into_raw()) {
-            shard
-                .index
-                .remove(&record.entry, || record.entry.expires_at);
+            shard.index.remove(&record.entry);
             drop(shard);
             self.inner.usage.freed(1, record.bytes());
         }
@@ -810,9 +806,9 @@ impl Store for MemoryStore {
                 // The record lives at least as long as the lease it now holds; it moves in
                 // the index only if that makes it live longer.
                 if until > e.expires_at {
-                    index.remove(e, || e.expires_at);
+                    index.remove(e);
                     e.expires_at = until;
-                    index.insert(hash, e, until);
+                    index.insert(hash, e);
                 }
                 true
             }

@@ -78,8 +78,8 @@ impl Queue {
     }
 
     /// Removes the item (`at`, `id`) that [`push`](Self::push) put at `place`; `false` when
-    /// it is not there. `at` is asked for only if the item is in the tree.
-    pub(super) fn remove(&mut self, at: impl FnOnce() -> u64, id: i64, place: u64) -> bool {
+    /// it is not there.
+    pub(super) fn remove(&mut self, at: u64, id: i64, place: u64) -> bool {
         if place != IN_TREE
             && let Some(i) = place.checked_sub(self.base)
             && let Ok(i) = usize::try_from(i)
@@ -91,7 +91,7 @@ impl Queue {
             return true;
         }
         // In the tree from the start, or moved there since.
-        self.tree.remove(&(at(), id)).is_some()
+        self.tree.remove(&(at, id)).is_some()
     }
 
     /// The item that expires first.
@@ -177,12 +177,12 @@ mod tests {
         let late = q.push(item(5, 7));
         assert_eq!(late, IN_TREE);
         // The front, one in the middle, the one in the tree; twice is once.
-        assert!(q.remove(|| 10, 1, places[0]));
-        assert!(q.remove(|| 40, 4, places[3]));
-        assert!(!q.remove(|| 40, 4, places[3]));
-        assert!(q.remove(|| 5, 7, late));
+        assert!(q.remove(10, 1, places[0]));
+        assert!(q.remove(40, 4, places[3]));
+        assert!(!q.remove(40, 4, places[3]));
+        assert!(q.remove(5, 7, late));
         // A place that names another item removes nothing.
-        assert!(!q.remove(|| 20, 99, places[1]));
+        assert!(!q.remove(20, 99, places[1]));
         assert_eq!(q.first(), Some(item(20, 2)));
         assert_eq!(drain(&mut q), [(20, 2), (30, 3), (50, 5), (60, 6)]);
     }
@@ -229,7 +229,7 @@ mod tests {
                         let i = usize::try_from(random(len)).unwrap();
                         let (item, place) = pushed[i];
                         let live = model.remove(&(item.at, item.id)).is_some();
-                        assert_eq!(q.remove(|| item.at, item.id, place), live, "step {step}");
+                        assert_eq!(q.remove(item.at, item.id, place), live, "step {step}");
                     }
                     _ => {
                         let expected =
@@ -258,12 +258,12 @@ mod tests {
         let long = q.push(item(1, 1));
         for id in 2..1_000_i64 {
             let place = q.push(item(id.unsigned_abs(), id));
-            assert!(q.remove(|| id.unsigned_abs(), id, place));
+            assert!(q.remove(id.unsigned_abs(), id, place));
         }
         assert!(q.deque.len() <= 4, "{}", q.deque.len());
         assert_eq!(q.len(), 1);
         // Moved to the tree, the long-lived item is still found by its old place.
-        assert!(q.remove(|| 1, 1, long));
+        assert!(q.remove(1, 1, long));
         assert_eq!(q.first(), None);
     }
 }
