@@ -52,6 +52,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "the keys duplicates wait for",
         include_str!("../../migrations/0007_waiting.sql"),
     ),
+    (
+        8,
+        "lookups by key whatever the statistics say",
+        include_str!("../../migrations/0008_lookups_by_key.sql"),
+    ),
 ];
 
 /// The advisory lock taken while migrating, so that app instances starting together apply

@@ -1,0 +1,222 @@
+//! The store finds a record by its primary key whatever the table's statistics say.
+//!
+//! A table analyzed while it was empty (right after the migration, or on a server where
+//! autovacuum is off or has not come round yet) tells the planner it has no rows. The
+//! store's statements run inside PL/pgSQL functions, which keep each statement's plan for the
+//! life of the connection; a plan made on such statistics is a sequential scan, and kept, it
+//! reads the whole table on every request once the table has grown. These tests make the
+//! functions plan on an empty table's statistics, grow the table behind the planner's back,
+//! and then count, in Postgres's own statistics for the table, the sequential scans the
+//! store's statements make: none.
+#![cfg(feature = "postgres")]
+#![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+use sqlx::PgPool;
+use support::{PgSchema, read, req};
+use tower::{Layer, ServiceExt};
+use tower_idempotency::{
+    ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyLayer, PostgresStore,
+    Store, StoredResponse, body::RequestBody,
+};
+
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(3600);
+
+/// Rows added behind the planner's back: enough that a sequential scan costs hundreds of
+/// pages.
+const GROWN: u32 = 20_000;
+
+fn fingerprint() -> Fingerprint {
+    Fingerprint::from_bytes([7; 32])
+}
+
+fn answer() -> StoredResponse {
+    StoredResponse::new(
+        http::StatusCode::CREATED,
+        http::HeaderMap::new(),
+        bytes::Bytes::from_static(b"{}"),
+    )
+}
+
+async fn claim(store: &PostgresStore, key: &IdempotencyKey) -> ClaimOutcome {
+    store
+        .claim(ClaimRequest {
+            scope: "",
+            key,
+            fingerprint: fingerprint(),
+            lease: LEASE,
+            ttl: TTL,
+        })
+        .await
+        .unwrap()
+}
+
+/// A first request (claim, complete) and a replay of `key`.
+async fn first_and_replay(store: &PostgresStore, key: &str) {
+    let key = IdempotencyKey::parse(key).unwrap();
+    let ClaimOutcome::Acquired { token, .. } = claim(store, &key).await else {
+        panic!("a new key is acquired");
+    };
+    assert!(
+        store
+            .complete("", &key, token, &answer(), TTL)
+            .await
+            .unwrap()
+    );
+    assert!(matches!(
+        claim(store, &key).await,
+        ClaimOutcome::Completed(_)
+    ));
+}
+
+/// The keys table's sequential and index scans so far, as the server's statistics hold them
+/// once this connection's pending counts are flushed.
+async fn scans(pool: &PgPool) -> (i64, i64) {
+    // The flush happens when the connection goes idle after this statement.
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query_as(
+        "SELECT seq_scan, coalesce(idx_scan, 0) FROM pg_stat_user_tables \
+          WHERE schemaname = current_schema() AND relname = 'tower_idempotency_keys'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// A store on one connection (every statement of a test, the store's and the test's, runs
+/// on the one backend whose plans and statistics are looked at), migrated, its table analyzed
+/// empty, autovacuum off for it so that nothing refreshes the statistics while the test runs.
+async fn analyzed_empty(schema: &PgSchema) -> (PgPool, PostgresStore) {
+    let pool = schema.direct_pool(1).await;
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    for sql in [
+        "ALTER TABLE tower_idempotency_keys SET (autovacuum_enabled = false)",
+        "VACUUM ANALYZE tower_idempotency_keys",
+    ] {
+        sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+    }
+    (pool, store)
+}
+
+/// Adds [`GROWN`] completed records (`grown-1` …) without telling the planner.
+async fn grow(pool: &PgPool) {
+    sqlx::query(
+        "INSERT INTO tower_idempotency_keys
+                (scope, key, fingerprint, expires_at, completed_at, response_status,
+                 response_headers, response_body)
+         SELECT '', 'grown-' || i, decode(repeat('07', 32), 'hex'), now() + interval '1 hour', now(), 201,
+                '\\x'::bytea, '\\x7b7d'::bytea
+           FROM generate_series(1, $1) AS i",
+    )
+    .bind(i64::from(GROWN))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn lookups_use_the_primary_key_after_the_table_was_analyzed_empty() {
+    let schema = PgSchema::new().await;
+    let (pool, store) = analyzed_empty(&schema).await;
+    // Ten runs of each statement: PL/pgSQL switches to a plan it keeps after five.
+    for i in 0..10 {
+        first_and_replay(&store, &format!("warm-{i}")).await;
+    }
+    grow(&pool).await;
+
+    let (seq_before, idx_before) = scans(&pool).await;
+    for i in 0..5 {
+        first_and_replay(&store, &format!("measured-{i}")).await;
+    }
+    // A replay of a key the table grew by, and a release.
+    let grown = IdempotencyKey::parse("grown-4711").unwrap();
+    assert!(matches!(
+        claim(&store, &grown).await,
+        ClaimOutcome::Completed(_)
+    ));
+    let key = IdempotencyKey::parse("released").unwrap();
+    let ClaimOutcome::Acquired { token, .. } = claim(&store, &key).await else {
+        panic!("a new key is acquired");
+    };
+    assert!(store.release("", &key, token).await.unwrap());
+    let (seq_after, idx_after) = scans(&pool).await;
+
+    let (seq, idx) = (seq_after - seq_before, idx_after - idx_before);
+    // Eighteen lookups by key: three per first request and replay, two for the release, one
+    // for the replay of a grown key.
+    assert!(
+        seq + idx >= 18,
+        "the statistics saw the store's statements ({seq} sequential and {idx} index scans)"
+    );
+    assert_eq!(
+        seq, 0,
+        "the store's statements scanned the whole table of {GROWN} rows {seq} times \
+         ({idx} index scans)"
+    );
+    schema.drop_schema().await;
+}
+
+#[tokio::test]
+async fn transactional_lookups_use_the_primary_key_after_the_table_was_analyzed_empty() {
+    let schema = PgSchema::new().await;
+    let (pool, store) = analyzed_empty(&schema).await;
+    let handler = tower::service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+        let mut res = Response::new(Full::new(Bytes::from_static(b"paid")));
+        *res.status_mut() = http::StatusCode::CREATED;
+        Ok::<_, std::io::Error>(res)
+    });
+    let svc = IdempotencyLayer::new(store.transactional()).layer(handler);
+    let pay = |key: String| {
+        let svc = svc.clone();
+        async move {
+            for replayed in [false, true] {
+                let answer = read(
+                    svc.clone()
+                        .oneshot(req("POST", "/pay", Some(&key), "{}"))
+                        .await
+                        .unwrap(),
+                )
+                .await;
+                assert_eq!(
+                    (answer.status.as_u16(), answer.replayed()),
+                    (201, replayed),
+                    "{key}"
+                );
+            }
+        }
+    };
+    for i in 0..10 {
+        pay(format!("warm-{i}")).await;
+    }
+    grow(&pool).await;
+
+    let (seq_before, idx_before) = scans(&pool).await;
+    for i in 0..5 {
+        pay(format!("measured-{i}")).await;
+    }
+    let (seq_after, idx_after) = scans(&pool).await;
+    let (seq, idx) = (seq_after - seq_before, idx_after - idx_before);
+    // At least a lookup per request: the claim of each first request and of each replay.
+    assert!(
+        seq + idx >= 10,
+        "the statistics saw the store's statements ({seq} sequential and {idx} index scans)"
+    );
+    assert_eq!(
+        seq, 0,
+        "transactional mode scanned the whole table of {GROWN} rows {seq} times ({idx} index \
+         scans)"
+    );
+    store.pool().close().await;
+    schema.drop_schema().await;
+}
