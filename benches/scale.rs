@@ -3,31 +3,38 @@
 //!
 //! ```text
 //! cargo bench --bench scale -- [--rows 10000000] [--expired 1000000] [--ops 20000]
-//!                              [--concurrency 8] [--clients 16] [--seconds 20] [--warmup 2]
-//!                              [--batches 1000,5000] [--purge-duty 1.0] [--prewarm]
+//!                              [--rounds 5] [--concurrency 8] [--clients 16] [--seconds 20]
+//!                              [--warmup 2] [--batches 1000,5000] [--purge-duty 1.0]
+//!                              [--prewarm]
 //! ```
 //!
-//! In a fresh schema (migrated with [`PostgresStore::migrate`], dropped at the end), straight
-//! through the [`Store`] trait (no HTTP):
+//! In two fresh schemas (migrated with [`PostgresStore::migrate`], dropped at the end), one
+//! for the empty table and one for the full table, straight through the [`Store`] trait (no
+//! HTTP):
 //!
-//! 1. **Empty table.** `--ops` first requests (`claim` of a new key, then `complete`: the
-//!    store's part of a first request through the layer) by `--concurrency` tasks, each
-//!    timed; then `--ops` replays (`claim` of a completed key: one of the keys just
-//!    completed, at random).
-//! 2. **Bulk load.** `--rows` completed records with small bodies, `--expired` of them
-//!    expired (`expires_at` 1 to 2 hours ago), the others live (expiring 2 to 24 hours from
-//!    now, as records written over the last day with a 24 h TTL; none expires during the
-//!    run), with UUID-shaped keys in
-//!    random order, loaded by `INSERT … SELECT … FROM generate_series` in chunks of a million;
-//!    then `VACUUM ANALYZE` and `CHECKPOINT`.
-//! 3. **Full table.** The same first requests and replays (replays of bulk-loaded live keys,
-//!    at random: most are not in Postgres's buffers), compared with step 1. For both steps
-//!    it also reports what an operation cost the database: WAL records, full-page images and
-//!    bytes (`pg_stat_wal`, the whole cluster) and the keys table's buffer reads and hits
-//!    (`pg_statio_all_tables`), read after an 11 s pause so every backend has reported.
-//!    With `--prewarm`, the table and its primary key are loaded into shared buffers
-//!    (`pg_prewarm`) before steps 1 and 3: on a server whose `shared_buffers` holds them,
-//!    this measures the table's size alone, without the cold reads of a fresh load.
+//! 1. **Bulk load** of the full table: `--rows` completed records with small bodies,
+//!    `--expired` of them expired (`expires_at` 1 to 2 hours ago), the others live (expiring
+//!    2 to 24 hours from now, as records written over the last day with a 24 h TTL; none
+//!    expires during the run), with UUID-shaped keys in random order, loaded by
+//!    `INSERT … SELECT … FROM generate_series` in chunks of a million; then `VACUUM ANALYZE`
+//!    and `CHECKPOINT` of both tables.
+//! 2. **Empty against full, in alternating rounds.** `--ops` operations of each kind per
+//!    table, by `--concurrency` tasks, each timed, split into `--rounds` rounds in which the
+//!    two tables take turns phase by phase (so both are measured through the same windows of
+//!    a noisy machine): first requests (`claim` of a new key, then `complete`: the store's
+//!    part of a first request through the layer), replays of recent keys (`claim` of a key
+//!    this table's first requests completed earlier in the run: a retry), and on the full
+//!    table replays of old keys (bulk-loaded live keys at random, as a retry a day late:
+//!    most are not in Postgres's buffers), compared with the empty table's replays. Each
+//!    row gives both tables' p50 and p99 over all rounds, the ratio, and each round's p50
+//!    ratio.
+//! 3. **What an operation costs the database**, a tenth as many operations again on each
+//!    table: WAL records, full-page images and bytes (`pg_stat_wal`, the whole cluster) and
+//!    the keys table's buffer reads and hits (`pg_statio_all_tables`), read after an 11 s
+//!    pause so every backend has reported. With `--prewarm`, both tables and their primary
+//!    keys are loaded into shared buffers (`pg_prewarm`) before step 2: on a server whose
+//!    `shared_buffers` holds them, this measures the table's size alone, without the cold
+//!    reads of a fresh load.
 //! 4. **Purge.** For each `--batches` size: `--clients` tasks send first requests back to
 //!    back; once for `--seconds` without purging (the baseline), then while
 //!    [`Store::purge_expired`] runs to completion on a connection of its own. Reported: the
@@ -45,8 +52,9 @@
 //! - `runner.rs`: the command line, the four steps in order, the report;
 //! - `keys.rs`: what every request carries (UUID-shaped keys, the one fingerprint, the stored
 //!   answer);
-//! - `db.rs`: the fresh schema, the bulk load, Postgres's WAL and buffer counters;
-//! - `ops.rs`: first requests and replays through the store, timed (steps 1 and 3);
+//! - `db.rs`: a fresh schema, the bulk load, Postgres's WAL and buffer counters;
+//! - `ops.rs`: first requests and replays through the store, timed, on both tables in
+//!   alternating rounds (step 2), and their cost to the database (step 3);
 //! - `purge.rs`: the closed-loop load without and during a purge (step 4).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -83,9 +91,14 @@ fn main() -> std::process::ExitCode {
         .unwrap();
     let result = rt.block_on(async {
         let size = u32::try_from(args.concurrency.max(args.clients))?;
+        let small = Db::new(u32::try_from(args.concurrency)?).await?;
         let db = Db::new(size).await?;
-        println!("schema {}", db.schema);
-        let report = run(&db, &args).await;
+        println!(
+            "schemas {} (empty table), {} (full table)",
+            small.schema, db.schema
+        );
+        let report = run(&small, &db, &args).await;
+        small.drop_schema().await;
         db.drop_schema().await;
         report
     });

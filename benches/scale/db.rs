@@ -1,7 +1,7 @@
 //! The database side: [`Db`], the fresh schema with the store's pool and the purge's
 //! connection (maintenance, counts, sizes, `pg_prewarm`), Postgres's cumulative WAL and
 //! buffer counters ([`DbCounters`], [`PerOp`]), and the bulk load of completed records
-//! ([`bulk_load`], step 2).
+//! ([`bulk_load`], step 1).
 
 use std::time::{Duration, Instant};
 
