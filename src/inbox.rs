@@ -144,13 +144,17 @@ fn has_sqlstate(err: &sqlx::Error, code: &str) -> bool {
         .is_some_and(|c| c == code)
 }
 
+/// Deletes up to `$2` IDs older than `$1` ms, oldest first, found by walking the
+/// `processed_at` index and deleted by their row addresses, so that no batch scans the table
+/// (see the store's purge).
 const PURGE: &str = "
 DELETE FROM tower_idempotency_processed_messages
- WHERE (consumer, message_id) IN (
-       SELECT consumer, message_id FROM tower_idempotency_processed_messages
+ WHERE ctid = ANY (ARRAY(
+       SELECT ctid FROM tower_idempotency_processed_messages
         WHERE processed_at < now() - $1::float8 * interval '1 millisecond'
+        ORDER BY processed_at
         LIMIT $2
-          FOR UPDATE SKIP LOCKED)";
+          FOR UPDATE SKIP LOCKED))";
 
 impl Inbox {
     /// An inbox on `pool`. Run [`migrate`](Inbox::migrate) (or

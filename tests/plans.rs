@@ -8,6 +8,13 @@
 //! functions plan on an empty table's statistics, grow the table behind the planner's back,
 //! and then count, in Postgres's own statistics for the table, the sequential scans the
 //! store's statements make: none.
+//!
+//! A purge deletes expired records a batch at a time. Found by a sequential scan (the
+//! cheaper plan for the first batch when many records have expired), each batch reads again
+//! the pages of the rows the batches before it deleted, which stay until a `VACUUM`: a
+//! backlog of a million expired records then takes quadratic time, and one batch can outlast
+//! the store's statement timeout. The purges walk the expiry index, oldest first: no
+//! sequential scan either.
 #![cfg(feature = "postgres")]
 #![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
 
@@ -21,6 +28,7 @@ use http_body_util::Full;
 use sqlx::PgPool;
 use support::{PgSchema, read, req};
 use tower::{Layer, ServiceExt};
+use tower_idempotency::inbox::Inbox;
 use tower_idempotency::{
     ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyLayer, PostgresStore,
     Store, StoredResponse, body::RequestBody,
@@ -79,6 +87,11 @@ async fn first_and_replay(store: &PostgresStore, key: &str) {
 /// The keys table's sequential and index scans so far, as the server's statistics hold them
 /// once this connection's pending counts are flushed.
 async fn scans(pool: &PgPool) -> (i64, i64) {
+    table_scans(pool, "tower_idempotency_keys").await
+}
+
+/// [`scans`] of `table`.
+async fn table_scans(pool: &PgPool, table: &str) -> (i64, i64) {
     // The flush happens when the connection goes idle after this statement.
     sqlx::query("SELECT pg_stat_force_next_flush()")
         .execute(pool)
@@ -86,8 +99,9 @@ async fn scans(pool: &PgPool) -> (i64, i64) {
         .unwrap();
     sqlx::query_as(
         "SELECT seq_scan, coalesce(idx_scan, 0) FROM pg_stat_user_tables \
-          WHERE schemaname = current_schema() AND relname = 'tower_idempotency_keys'",
+          WHERE schemaname = current_schema() AND relname = $1",
     )
+    .bind(table)
     .fetch_one(pool)
     .await
     .unwrap()
@@ -218,5 +232,92 @@ async fn transactional_lookups_use_the_primary_key_after_the_table_was_analyzed_
          scans)"
     );
     store.pool().close().await;
+    schema.drop_schema().await;
+}
+
+/// `GROWN` rows of `table` (`columns`, then the values `values` for `i` in
+/// `1..=2 * GROWN`) written over time: the first half long ago, the second half now.
+async fn written_over_time(pool: &PgPool, table: &str, columns: &str, values: &str) {
+    let sql = format!(
+        "INSERT INTO {table} ({columns}) SELECT {values} FROM generate_series(1, 2 * $1) AS i"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(i64::from(GROWN))
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("ANALYZE {table}")))
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_purge_walks_the_expiry_index_not_the_table() {
+    let schema = PgSchema::new().await;
+    let (pool, store) = analyzed_empty(&schema).await;
+    written_over_time(
+        &pool,
+        "tower_idempotency_keys",
+        "scope, key, fingerprint, expires_at, completed_at, response_status, \
+         response_headers, response_body",
+        "'', 'k-' || i, '\\x00'::bytea, \
+         now() + CASE WHEN i <= $1 THEN interval '-1 hour' ELSE interval '1 hour' END, \
+         now(), 201, '\\x'::bytea, '\\x7b7d'::bytea",
+    )
+    .await;
+
+    let (seq_before, idx_before) = scans(&pool).await;
+    assert_eq!(store.purge_expired(1000).await.unwrap(), u64::from(GROWN));
+    let (seq_after, idx_after) = scans(&pool).await;
+    let (seq, idx) = (seq_after - seq_before, idx_after - idx_before);
+    // 21 batches, the last one empty.
+    assert!(
+        idx >= 21,
+        "the statistics saw the purge ({seq} sequential and {idx} index scans)"
+    );
+    assert_eq!(
+        seq, 0,
+        "the purge's batches scanned the whole table {seq} times"
+    );
+    let (left,): (i64,) = sqlx::query_as("SELECT count(*) FROM tower_idempotency_keys")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, i64::from(GROWN), "the live records stay");
+    schema.drop_schema().await;
+}
+
+#[tokio::test]
+async fn an_inbox_purge_walks_the_age_index_not_the_table() {
+    let schema = PgSchema::new().await;
+    let (pool, _store) = analyzed_empty(&schema).await;
+    let table = "tower_idempotency_processed_messages";
+    written_over_time(
+        &pool,
+        table,
+        "consumer, message_id, processed_at",
+        "'c', 'm-' || i, \
+         now() - CASE WHEN i <= $1 THEN interval '2 hours' ELSE interval '0' END",
+    )
+    .await;
+
+    let (seq_before, idx_before) = table_scans(&pool, table).await;
+    let inbox = Inbox::new(pool.clone());
+    let purged = inbox
+        .purge_older_than(Duration::from_secs(3600), 1000)
+        .await
+        .unwrap();
+    assert_eq!(purged, u64::from(GROWN));
+    let (seq_after, idx_after) = table_scans(&pool, table).await;
+    let (seq, idx) = (seq_after - seq_before, idx_after - idx_before);
+    assert!(
+        idx >= 21,
+        "the statistics saw the purge ({seq} sequential and {idx} index scans)"
+    );
+    assert_eq!(
+        seq, 0,
+        "the inbox purge's batches scanned the whole table {seq} times"
+    );
     schema.drop_schema().await;
 }
