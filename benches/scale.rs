@@ -41,7 +41,8 @@
 //!    throughput during the purge against the baseline, the longest single request that
 //!    overlapped the purge, how long the purge took and how many rows it deleted (checked
 //!    against `--expired`), the CPU its Postgres backend used and how busy the machine was
-//!    (`/proc`). Before the second and later batch sizes, `--expired` new expired
+//!    (`/proc`), and how many requests the store failed (a failed request is counted, the
+//!    load goes on, and the run ends with an error). Before the second and later batch sizes, `--expired` new expired
 //!    records are loaded (after a `VACUUM` of the first purge's dead rows).
 //!
 //! Run without `--bench` (as `cargo test --all-targets` does), it makes a smoke run of about a
@@ -108,15 +109,20 @@ fn main() -> std::process::ExitCode {
             let wrong: Vec<_> = report
                 .purges
                 .iter()
-                .filter(|p| p.deleted != p.expected || p.left != 0)
+                .filter(|p| {
+                    p.deleted != p.expected
+                        || p.left != 0
+                        || p.baseline.failed + p.during.failed > 0
+                })
                 .collect();
             if wrong.is_empty() {
                 std::process::ExitCode::SUCCESS
             } else {
                 for p in wrong {
                     eprintln!(
-                        "batch {}: the purge deleted {} rows, expected {}; {} expired left",
-                        p.batch, p.deleted, p.expected, p.left
+                        "batch {}: the purge deleted {} rows, expected {}; {} expired left; \
+                         {} + {} first requests failed (without / during the purge)",
+                        p.batch, p.deleted, p.expected, p.left, p.baseline.failed, p.during.failed
                     );
                 }
                 std::process::ExitCode::FAILURE

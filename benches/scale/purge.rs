@@ -14,10 +14,12 @@ use crate::keys::uuid_key;
 use crate::ops::{Latencies, cores, first_request, micros};
 use crate::runner::Args;
 
-/// One timed request of the closed-loop load: when it started and ended.
+/// One timed request of the closed-loop load: when it started and ended, and whether the
+/// store failed it (a bound it keeps, such as its 5 s statement timeout, ran out).
 struct Sample {
     start: Instant,
     end: Instant,
+    failed: bool,
 }
 
 /// `clients` tasks sending first requests back to back until `stop` is set.
@@ -37,10 +39,17 @@ fn start_load(
                     seq += 1;
                     let key = IdempotencyKey::parse(&uuid_key(&format!("{tag}-{c}-{seq}")))?;
                     let start = Instant::now();
-                    first_request(&store, &key).await?;
+                    let failed = match first_request(&store, &key).await {
+                        Ok(()) => false,
+                        Err(e) => {
+                            eprintln!("  {tag}: a first request failed: {e}");
+                            true
+                        }
+                    };
                     samples.push(Sample {
                         start,
                         end: Instant::now(),
+                        failed,
                     });
                 }
                 Ok(samples)
@@ -66,12 +75,18 @@ pub(crate) struct Window {
     pub(crate) lat: Latencies,
     /// How many cores the whole machine kept busy in the window.
     pub(crate) busy_cores: Option<f64>,
+    /// Requests that ended in the window with an error from the store.
+    pub(crate) failed: usize,
 }
 
 fn window(samples: &[Sample], from: Instant, to: Instant, busy: Option<Duration>) -> Window {
     let ended = samples
         .iter()
-        .filter(|s| s.end >= from && s.end < to)
+        .filter(|s| s.end >= from && s.end < to && !s.failed)
+        .count();
+    let failed = samples
+        .iter()
+        .filter(|s| s.end >= from && s.end < to && s.failed)
         .count();
     let overlapping: Vec<u32> = samples
         .iter()
@@ -83,6 +98,7 @@ fn window(samples: &[Sample], from: Instant, to: Instant, busy: Option<Duration>
         throughput: ended as f64 / span.as_secs_f64(),
         lat: Latencies::new(overlapping, span),
         busy_cores: busy.map(|b| b.as_secs_f64() / span.as_secs_f64()),
+        failed,
     }
 }
 
@@ -152,11 +168,12 @@ pub(crate) async fn purge_run(
     );
     println!(
         "  batch {batch}: without purge: {:>7.0} req/s  p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms; \
-         machine busy {} cores",
+         {} failed; machine busy {} cores",
         baseline.throughput,
         baseline.lat.ms(0.5),
         baseline.lat.ms(0.99),
         baseline.lat.max_ms(),
+        baseline.failed,
         cores(baseline.busy_cores)
     );
 
@@ -167,7 +184,10 @@ pub(crate) async fn purge_run(
     let tasks = start_load(store, args.clients, format!("purge{batch}"), stop.clone());
     tokio::time::sleep(args.warmup).await;
     let (from, busy_from, cpu_from) = (Instant::now(), machine_busy(), process_cpu(purge_pid));
-    let deleted = purger.purge_expired(batch).await?;
+    let deleted = purger
+        .purge_expired(batch)
+        .await
+        .map_err(|e| format!("the purge (batch {batch}) failed: {e}"))?;
     let (to, busy_to, cpu_to) = (Instant::now(), machine_busy(), process_cpu(purge_pid));
     stop.store(true, Ordering::Relaxed);
     let during = window(
@@ -181,12 +201,13 @@ pub(crate) async fn purge_run(
     let left = db.expired_count().await?;
     println!(
         "  batch {batch}: during purge:  {:>7.0} req/s  p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms; \
-         machine busy {} cores; purge {:.2} s using {} cores, {deleted} rows deleted (expected \
+         {} failed; machine busy {} cores; purge {:.2} s using {} cores, {deleted} rows deleted (expected \
          {expected}, {left} expired left)",
         during.throughput,
         during.lat.ms(0.5),
         during.lat.ms(0.99),
         during.lat.max_ms(),
+        during.failed,
         cores(during.busy_cores),
         took.as_secs_f64(),
         cores(purge_cpu.map(|c| c.as_secs_f64() / took.as_secs_f64())),

@@ -318,13 +318,13 @@ pub(crate) fn print_report(args: &Args, r: &Report) {
     );
     println!();
     println!(
-        "| batch | req/s without | req/s during | ratio (≥ 0.9) | p99 ms without | p99 ms during | max ms without | max ms during (≤ 100) | purge took s | purge backend cores | machine busy cores without / during | deleted | expected |"
+        "| batch | req/s without | req/s during | ratio (≥ 0.9) | p99 ms without | p99 ms during | max ms without | max ms during (≤ 100) | purge took s | purge backend cores | machine busy cores without / during | failed requests without / during | deleted | expected |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|");
     for p in &r.purges {
         let ratio = p.during.throughput / p.baseline.throughput;
         println!(
-            "| {} | {:.0} | {:.0} | {ratio:.3} {} | {:.3} | {:.3} | {:.3} | {:.3} {} | {:.2} | {} | {} / {} | {} | {} |",
+            "| {} | {:.0} | {:.0} | {ratio:.3} {} | {:.3} | {:.3} | {:.3} | {:.3} {} | {:.2} | {} | {} / {} | {} / {} | {} | {} |",
             p.batch,
             p.baseline.throughput,
             p.during.throughput,
@@ -342,6 +342,8 @@ pub(crate) fn print_report(args: &Args, r: &Report) {
             cores(p.purge_cpu.map(|c| c.as_secs_f64() / p.took.as_secs_f64())),
             cores(p.baseline.busy_cores),
             cores(p.during.busy_cores),
+            p.baseline.failed,
+            p.during.failed,
             p.deleted,
             p.expected,
         );
