@@ -269,9 +269,9 @@ pub(crate) fn print_report(args: &Args, r: &Report) {
     for row in &r.rows_compared {
         let (e, f) = (&row.empty, &row.full);
         let (p50, p99) = (f.ms(0.5) / e.ms(0.5), f.ms(0.99) / e.ms(0.99));
-        let rounds: Vec<String> = row.round_ratios.iter().map(|q| format!("{q:.2}")).collect();
+        let rounds: Vec<String> = row.round_ratios.iter().map(|q| format!("{q:.3}")).collect();
         println!(
-            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {p50:.2} | {} | {p99:.2} | {:.0} | {:.0} | {} |",
+            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {p50:.3} | {} | {p99:.3} | {:.0} | {:.0} | {} |",
             row.name,
             e.ms(0.5),
             e.ms(0.99),
