@@ -414,6 +414,60 @@ async fn an_expired_record_is_replaced() {
     fx.cleanup().await;
 }
 
+/// A purge that deletes an expired record while a request for its key waits to take it
+/// over (the purge's batch holds the record's row lock between its `FOR UPDATE` and its
+/// `DELETE`): when the wait ends the record is gone, and the request claims the key anew.
+/// The handler runs once and the client gets its answer, not a `503`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_record_purged_during_its_takeover_is_claimed_anew() {
+    let fx = Fx::new().await;
+    let app = fx.app_with(|layer| layer.with_ttl(Duration::from_millis(300)));
+    assert_eq!(app(req("POST", "/pay", Some("k"), "b")).await.status, 201);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The purge's batch, first half: the expired record locked.
+    let mut purge = fx.admin.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM tower_idempotency_keys WHERE key = 'k' FOR UPDATE")
+        .execute(&mut *purge)
+        .await
+        .unwrap();
+    let retry = tokio::spawn({
+        let app = app.clone();
+        async move { app(req("POST", "/pay", Some("k"), "b")).await }
+    });
+    // Until the request's takeover waits for the purge's lock.
+    let mut waited = false;
+    for _ in 0..500 {
+        let (waiting,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM pg_stat_activity \
+              WHERE wait_event_type = 'Lock' AND query LIKE '%tower_idempotency_claim_tx%'",
+        )
+        .fetch_one(&fx.admin)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            waited = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        waited,
+        "the request's takeover waited for the purge's row lock"
+    );
+    // Second half: the delete, committed.
+    sqlx::query("DELETE FROM tower_idempotency_keys WHERE key = 'k'")
+        .execute(&mut *purge)
+        .await
+        .unwrap();
+    purge.commit().await.unwrap();
+    let retry = retry.await.unwrap();
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert!(!retry.replayed());
+    assert_eq!((fx.payments().await, fx.keys().await), (2, 1));
+    assert!(app(req("POST", "/pay", Some("k"), "b")).await.replayed());
+    fx.cleanup().await;
+}
+
 /// A handler slower than the TTL: the record lives the TTL from the completion (the
 /// statement's time, not the transaction's start), so a retry right after the answer replays
 /// it instead of charging again; a duplicate while it runs is `409`.

@@ -57,6 +57,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "lookups by key whatever the statistics say",
         include_str!("../../migrations/0008_lookups_by_key.sql"),
     ),
+    (
+        9,
+        "the transactional claim after a purge deleted the record it waited for",
+        include_str!("../../migrations/0009_claim_tx_after_a_purge.sql"),
+    ),
 ];
 
 /// The advisory lock taken while migrating, so that app instances starting together apply
