@@ -10,11 +10,11 @@
 //! store's statements make: none.
 //!
 //! A purge deletes expired records a batch at a time. Found by a sequential scan (the
-//! cheaper plan for the first batch when many records have expired), each batch reads again
-//! the pages of the rows the batches before it deleted, which stay until a `VACUUM`: a
-//! backlog of a million expired records then takes quadratic time, and one batch can outlast
-//! the store's statement timeout. The purges walk the expiry index, oldest first: no
-//! sequential scan either.
+//! cheaper plan for a bare `LIMIT` when many records have expired), or deleted through a hash
+//! join over the table, each batch reads again the pages of the rows the batches before it
+//! deleted, which stay until a `VACUUM`: a backlog of a million expired records then takes
+//! quadratic time, and one batch can outlast the store's statement timeout. The purges walk
+//! the expiry index, oldest first, and delete by row address: no sequential scan either.
 #![cfg(feature = "postgres")]
 #![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
 
