@@ -84,13 +84,10 @@ async fn first_and_replay(store: &PostgresStore, key: &str) {
     ));
 }
 
-/// The keys table's sequential and index scans so far, as the server's statistics hold them
-/// once this connection's pending counts are flushed.
-async fn scans(pool: &PgPool) -> (i64, i64) {
-    table_scans(pool, "tower_idempotency_keys").await
-}
+const KEYS: &str = "tower_idempotency_keys";
 
-/// [`scans`] of `table`.
+/// `table`'s sequential and index scans so far, as the server's statistics hold them once
+/// this connection's pending counts are flushed.
 async fn table_scans(pool: &PgPool, table: &str) -> (i64, i64) {
     // The flush happens when the connection goes idle after this statement.
     sqlx::query("SELECT pg_stat_force_next_flush()")
@@ -105,6 +102,27 @@ async fn table_scans(pool: &PgPool, table: &str) -> (i64, i64) {
     .fetch_one(pool)
     .await
     .unwrap()
+}
+
+/// Asserts that since `before` (a [`table_scans`] reading) `table` was read `at_least` times,
+/// all of them through an index: `what` never scanned the whole table.
+async fn assert_no_table_scan(
+    pool: &PgPool,
+    table: &str,
+    before: (i64, i64),
+    at_least: i64,
+    what: &str,
+) {
+    let (seq_after, idx_after) = table_scans(pool, table).await;
+    let (seq, idx) = (seq_after - before.0, idx_after - before.1);
+    assert!(
+        seq + idx >= at_least,
+        "the statistics saw {what} ({seq} sequential and {idx} index scans)"
+    );
+    assert_eq!(
+        seq, 0,
+        "{what} scanned the whole table of {table} {seq} times ({idx} index scans)"
+    );
 }
 
 /// A store on one connection (every statement of a test, the store's and the test's, runs
@@ -149,7 +167,7 @@ async fn lookups_use_the_primary_key_after_the_table_was_analyzed_empty() {
     }
     grow(&pool).await;
 
-    let (seq_before, idx_before) = scans(&pool).await;
+    let before = table_scans(&pool, KEYS).await;
     for i in 0..5 {
         first_and_replay(&store, &format!("measured-{i}")).await;
     }
@@ -164,20 +182,9 @@ async fn lookups_use_the_primary_key_after_the_table_was_analyzed_empty() {
         panic!("a new key is acquired");
     };
     assert!(store.release("", &key, token).await.unwrap());
-    let (seq_after, idx_after) = scans(&pool).await;
-
-    let (seq, idx) = (seq_after - seq_before, idx_after - idx_before);
     // Eighteen lookups by key: three per first request and replay, two for the release, one
     // for the replay of a grown key.
-    assert!(
-        seq + idx >= 18,
-        "the statistics saw the store's statements ({seq} sequential and {idx} index scans)"
-    );
-    assert_eq!(
-        seq, 0,
-        "the store's statements scanned the whole table of {GROWN} rows {seq} times \
-         ({idx} index scans)"
-    );
+    assert_no_table_scan(&pool, KEYS, before, 18, "the store's statements").await;
     schema.drop_schema().await;
 }
 
@@ -215,22 +222,12 @@ async fn transactional_lookups_use_the_primary_key_after_the_table_was_analyzed_
     }
     grow(&pool).await;
 
-    let (seq_before, idx_before) = scans(&pool).await;
+    let before = table_scans(&pool, KEYS).await;
     for i in 0..5 {
         pay(format!("measured-{i}")).await;
     }
-    let (seq_after, idx_after) = scans(&pool).await;
-    let (seq, idx) = (seq_after - seq_before, idx_after - idx_before);
     // At least a lookup per request: the claim of each first request and of each replay.
-    assert!(
-        seq + idx >= 10,
-        "the statistics saw the store's statements ({seq} sequential and {idx} index scans)"
-    );
-    assert_eq!(
-        seq, 0,
-        "transactional mode scanned the whole table of {GROWN} rows {seq} times ({idx} index \
-         scans)"
-    );
+    assert_no_table_scan(&pool, KEYS, before, 10, "transactional mode").await;
     store.pool().close().await;
     schema.drop_schema().await;
 }
@@ -267,19 +264,10 @@ async fn a_purge_walks_the_expiry_index_not_the_table() {
     )
     .await;
 
-    let (seq_before, idx_before) = scans(&pool).await;
+    let before = table_scans(&pool, KEYS).await;
     assert_eq!(store.purge_expired(1000).await.unwrap(), u64::from(GROWN));
-    let (seq_after, idx_after) = scans(&pool).await;
-    let (seq, idx) = (seq_after - seq_before, idx_after - idx_before);
     // 21 batches, the last one empty.
-    assert!(
-        idx >= 21,
-        "the statistics saw the purge ({seq} sequential and {idx} index scans)"
-    );
-    assert_eq!(
-        seq, 0,
-        "the purge's batches scanned the whole table {seq} times"
-    );
+    assert_no_table_scan(&pool, KEYS, before, 21, "the purge's batches").await;
     let (left,): (i64,) = sqlx::query_as("SELECT count(*) FROM tower_idempotency_keys")
         .fetch_one(&pool)
         .await
@@ -302,22 +290,13 @@ async fn an_inbox_purge_walks_the_age_index_not_the_table() {
     )
     .await;
 
-    let (seq_before, idx_before) = table_scans(&pool, table).await;
+    let before = table_scans(&pool, table).await;
     let inbox = Inbox::new(pool.clone());
     let purged = inbox
         .purge_older_than(Duration::from_secs(3600), 1000)
         .await
         .unwrap();
     assert_eq!(purged, u64::from(GROWN));
-    let (seq_after, idx_after) = table_scans(&pool, table).await;
-    let (seq, idx) = (seq_after - seq_before, idx_after - idx_before);
-    assert!(
-        idx >= 21,
-        "the statistics saw the purge ({seq} sequential and {idx} index scans)"
-    );
-    assert_eq!(
-        seq, 0,
-        "the inbox purge's batches scanned the whole table {seq} times"
-    );
+    assert_no_table_scan(&pool, table, before, 21, "the inbox purge's batches").await;
     schema.drop_schema().await;
 }

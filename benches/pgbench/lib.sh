@@ -1,7 +1,7 @@
-# What run.sh and protocols.sh share: a schema of their own with the crate's migrations
-# (dropped on exit), the replay keys, and `bench SCRIPT [MODE]`, which runs one pgbench script
-# and keeps its transactions per second in tps[SCRIPT]. Sourced after `here`, `root`,
-# `clients`, `threads`, `seconds` and `keys` are set.
+# What the pgbench scripts share: a schema of their own with the crate's migrations
+# (dropped on exit), the replay keys, `bench SCRIPT [MODE]`, which runs one pgbench script
+# and keeps its transactions per second in tps[SCRIPT], and `median LIST`. Sourced after
+# `here`, `root`, `clients`, `threads`, `seconds` and `keys` are set.
 url="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
 # The crate's sqlx is built without TLS, so the harness talks to Postgres in plaintext; so
 # does pgbench here (libpq would otherwise negotiate TLS with a server that has ssl = on).
@@ -55,3 +55,5 @@ bench() {
     printf '%-30s %10s tps   latency average %s\n' "$script" "${tps[$script]}" "$lat"
 }
 
+# The median of a space-separated list of numbers (empty when there are none).
+median() { tr ' ' '\n' <<<"$1" | { grep . || true; } | sort -n | awk 'NF { v[++n] = $1 } END { if (n) print v[int((n + 1) / 2)] }'; }

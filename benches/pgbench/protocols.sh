@@ -68,7 +68,6 @@ for round in $(seq "$rounds"); do
     done
 done
 
-median() { tr ' ' '\n' <<<"$1" | { grep . || true; } | sort -n | awk 'NF { v[++n] = $1 } END { if (n) print v[int((n + 1) / 2)] }'; }
 echo
 echo "| way | replay tps | replay ÷ prepared | new key tps | new key ÷ prepared |"
 echo "|---|---:|---:|---:|---:|"

@@ -57,7 +57,6 @@ for round in $(seq "$rounds"); do
     done
 done
 
-median() { tr ' ' '\n' <<<"$1" | { grep . || true; } | sort -n | awk 'NF { v[++n] = $1 } END { if (n) print v[int((n + 1) / 2)] }'; }
 echo
 echo "| statement | with migration 8 tps | without tps | ratio |"
 echo "|---|---:|---:|---:|"
