@@ -11,6 +11,7 @@
 mod support;
 
 use std::collections::HashSet;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -23,7 +24,8 @@ use support::{Answer, Calls, PgSchema, read, req};
 use tower::{Layer, ServiceExt};
 use tower_idempotency::inbox::{Delivery, Inbox};
 use tower_idempotency::{
-    ClaimStrategy, IdempotencyLayer, IdempotentTx, PostgresStore, body::RequestBody,
+    ClaimStrategy, IdempotencyKey, IdempotencyLayer, IdempotentTx, PostgresStore, Store,
+    body::RequestBody,
 };
 
 const NEEDS_POOLER: &str = "needs a PgBouncer in transaction mode at TI_PGBOUNCER_URL";
@@ -562,4 +564,112 @@ async fn the_inbox_processes_each_message_once_from_many_clients() {
         inbox.pool().close().await;
     }
     fx.cleanup(Vec::new()).await;
+}
+
+/// Waiting duplicates register their keys through the pooler. Each registration travels in
+/// one flight: a statement parsed in one flight and bound in the next can reach another
+/// server connection, where the unnamed statement does not exist. So every watch, from many
+/// clients at once, registers, and duplicates waiting on instances across the pooler get the
+/// first answer, woken by the listener on a direct connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a PgBouncer in transaction mode at TI_PGBOUNCER_URL"]
+async fn waiters_register_and_are_woken_through_the_pooler() {
+    let fx = Fx::new().await;
+    let listener = sqlx::postgres::PgConnectOptions::from_str(&support::database_url())
+        .unwrap()
+        .options([("search_path", fx.schema.name.as_str())]);
+    let stores: Vec<PostgresStore> = fx
+        .stores()
+        .await
+        .into_iter()
+        .map(|s| s.with_listener_options(listener.clone()))
+        .collect();
+
+    // Registrations from every client at once, round after round.
+    let start = Arc::new(tokio::sync::Barrier::new(CLIENTS));
+    let tasks: Vec<_> = (0..CLIENTS)
+        .map(|i| {
+            let store = stores[i % INSTANCES].clone();
+            let start = start.clone();
+            tokio::spawn(async move {
+                start.wait().await;
+                let key = IdempotencyKey::parse(&format!("watched-{i}")).unwrap();
+                let mut failures = Vec::new();
+                for _ in 0..10 {
+                    match store.watch("", &key).await {
+                        Ok(Some(_)) => {}
+                        Ok(None) => failures.push("no watch: the listener did not listen".into()),
+                        Err(e) => failures.push(e.to_string()),
+                    }
+                }
+                failures
+            })
+        })
+        .collect();
+    let mut failures = Vec::new();
+    for t in tasks {
+        failures.extend(t.await.unwrap());
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} registrations failed through the pooler, e.g. {:?}",
+        failures.len(),
+        CLIENTS * 10,
+        failures.first()
+    );
+
+    // Duplicates on every instance wait for the first request of their key and get its answer.
+    let calls = Calls::default();
+    let apps: Vec<App> = stores
+        .iter()
+        .map(|store| {
+            let svc = IdempotencyLayer::new(store.clone())
+                .with_wait_for_completion(Duration::from_secs(20))
+                .layer(support::handler(calls.clone()));
+            let app: App = Arc::new(move |r| {
+                let svc = svc.clone();
+                Box::pin(async move { read(svc.oneshot(r).await.unwrap()).await })
+            });
+            app
+        })
+        .collect();
+    const KEYS: usize = 8;
+    let firsts: Vec<_> = (0..KEYS)
+        .map(|k| {
+            let app = apps[k % INSTANCES].clone();
+            tokio::spawn(async move {
+                app(req(
+                    "POST",
+                    "/slow?ms=1500",
+                    Some(&format!("waited-{k}")),
+                    "b",
+                ))
+                .await
+            })
+        })
+        .collect();
+    // The first requests hold their keys; their duplicates come while they run.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let answers = burst(&apps, CLIENTS, |i| {
+        req(
+            "POST",
+            "/slow?ms=1500",
+            Some(&format!("waited-{}", i % KEYS)),
+            "b",
+        )
+    })
+    .await;
+    let mut first_bodies = Vec::new();
+    for f in firsts {
+        let first = f.await.unwrap();
+        assert_eq!(first.status, 201, "{}", first.text());
+        first_bodies.push(first.body);
+    }
+    for (i, a) in answers.iter().enumerate() {
+        assert_eq!(a.status, 201, "duplicate {i}: {}", a.text());
+        assert!(a.replayed(), "duplicate {i} got the first answer replayed");
+        assert_eq!(a.body, first_bodies[i % KEYS], "duplicate {i}");
+    }
+    assert_eq!(calls.get("/slow"), KEYS, "each key's handler ran once");
+    fx.cleanup(stores).await;
 }

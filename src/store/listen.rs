@@ -9,8 +9,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool};
 use tokio::sync::watch;
 
 use super::notify::{KeyNotifier, KeyWatch};
@@ -34,10 +34,19 @@ pub(crate) fn wake_statement(hash: i64) -> String {
     format!("SELECT tower_idempotency_wake({hash})")
 }
 
-/// Registers a waiter for the key whose hash is `hash` (`$1`), for `$2` milliseconds.
-const REGISTER: &str = "INSERT INTO tower_idempotency_waiting AS w (hash, until) \
-     VALUES ($1, now() + $2::float8 * interval '1 millisecond') \
-     ON CONFLICT (hash) DO UPDATE SET until = greatest(w.until, excluded.until)";
+/// The statement that registers a waiter for the key whose hash is `hash`, for
+/// [`REGISTRATION`]. Its values are written in and it goes over the simple query protocol: a
+/// bound statement is parsed in one flight and bound in the next, and behind a pooler in
+/// transaction mode the next can reach another server connection, where the unnamed statement
+/// does not exist.
+fn register_statement(hash: i64) -> String {
+    format!(
+        "INSERT INTO tower_idempotency_waiting AS w (hash, until) \
+         VALUES ({hash}, now() + interval '{} milliseconds') \
+         ON CONFLICT (hash) DO UPDATE SET until = greatest(w.until, excluded.until)",
+        REGISTRATION.as_millis()
+    )
+}
 
 /// Deletes the registrations past their time.
 pub(crate) const PURGE_WAITING: &str = "DELETE FROM tower_idempotency_waiting WHERE until <= now()";
@@ -91,11 +100,8 @@ impl PgNotifier {
         // Watching before registering: a change notified once the registration is visible
         // reaches this watch.
         let watch = self.keys.watch_hash(hash);
-        // Unprepared, in its own implicit transaction: safe behind a pooler.
-        sqlx::query(REGISTER)
-            .persistent(false)
-            .bind(hash.cast_signed())
-            .bind(REGISTRATION.as_secs_f64() * 1000.0)
+        // One simple query, in its own implicit transaction: safe behind a pooler.
+        sqlx::raw_sql(AssertSqlSafe(register_statement(hash.cast_signed())))
             .execute(pool)
             .await?;
         Ok(Some(watch))
