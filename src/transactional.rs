@@ -462,9 +462,16 @@ fn checked_row_id(row: &str) -> Result<&str, StoreError> {
     }
 }
 
-/// The completion: the placeholder becomes the completed record (its times taken when this
-/// statement runs), then `COMMIT` — one message. `rollback_handler` first rolls the
+/// The completion, one message: the placeholder becomes the completed record (its times
+/// taken when this statement runs), then `COMMIT`; `rollback_handler` first rolls the
 /// handler's writes back to the savepoint (the handler left the transaction aborted).
+///
+/// With `notify`, the key's waiters are woken **after** the commit, in a `READ COMMITTED`
+/// transaction of its own: inside the request's transaction the look for waiters would read
+/// the snapshot taken before the handler ran under `REPEATABLE READ` and `SERIALIZABLE`, blind
+/// to every waiter that registered since (left to its recheck), and under `SERIALIZABLE` that
+/// read of the waiters' table would tie the request to every registration (serialization
+/// failures among requests for different keys).
 fn completion_batch(
     claimed: &Placeholder,
     ttl: Duration,
@@ -472,21 +479,23 @@ fn completion_batch(
     rollback_handler: bool,
     (statement_timeout, lock_timeout): (Duration, Duration),
     notify: Option<i64>,
-) -> Result<String, StoreError> {
+) -> Result<CompletionBatch, StoreError> {
     let status = status_column(stored)?;
     let headers = stored.encode_headers();
     let body = stored.body();
     let body_len = body.map_or(0, |b| b.len());
     let mut sql = String::with_capacity(
-        300 + 2 * (claimed.scope.len() + claimed.key.len() + headers.len() + body_len),
+        380 + 2 * (claimed.scope.len() + claimed.key.len() + headers.len() + body_len),
     );
+    let mut statements = 0;
     if rollback_handler {
         sql.push_str("ROLLBACK TO SAVEPOINT ");
         sql.push_str(HANDLER_SAVEPOINT);
         sql.push_str("; ");
+        statements += 1;
     }
     // The handler is done: the store's bounds hold for the rest of the transaction.
-    push_bounds(&mut sql, statement_timeout, lock_timeout);
+    statements += push_bounds(&mut sql, statement_timeout, lock_timeout);
     sql.push_str("SELECT tower_idempotency_complete_tx('");
     sql.push_str(checked_row_id(&claimed.row)?);
     sql.push_str("',");
@@ -504,14 +513,52 @@ fn completion_batch(
         Some(body) => push_bytea(&mut sql, body),
         None => sql.push_str("NULL"),
     }
-    // With a hash, the completion also wakes the key's waiters (migration 7), delivered when
-    // the transaction commits.
-    if let Some(hash) = notify {
-        sql.push(',');
-        sql.push_str(&hash.to_string());
-    }
     sql.push_str("); COMMIT");
-    Ok(sql)
+    // The completion and the commit.
+    statements += 2;
+    if let Some(hash) = notify {
+        sql.push_str("; BEGIN ISOLATION LEVEL READ COMMITTED; SELECT tower_idempotency_wake(");
+        sql.push_str(&hash.to_string());
+        sql.push_str("); COMMIT");
+    }
+    Ok(CompletionBatch {
+        sql,
+        through_commit: statements,
+    })
+}
+
+/// A completion's message.
+struct CompletionBatch {
+    sql: String,
+    /// How many of its statements end with the request's `COMMIT`: a failure reported after
+    /// that many statements completed is the wake-up's, and the transaction did commit.
+    through_commit: usize,
+}
+
+/// Runs a completion's message; `Ok` once the request's transaction committed (a wake-up that
+/// failed after it is only logged: its waiters claim again at their recheck).
+async fn run_completion(
+    conn: &mut PgConnection,
+    batch: CompletionBatch,
+) -> Result<(), sqlx::Error> {
+    let mut results = sqlx::raw_sql(AssertSqlSafe(batch.sql)).fetch_many(conn);
+    let mut completed = 0;
+    while let Some(item) = std::future::poll_fn(|cx| results.as_mut().poll_next(cx)).await {
+        match item {
+            Ok(sqlx::Either::Left(_)) => completed += 1,
+            Ok(sqlx::Either::Right(_)) => {}
+            Err(e) if completed >= batch.through_commit => {
+                tracing::debug!(
+                    error = &e as &dyn std::error::Error,
+                    "idempotency: committed, but could not wake the key's waiters; they claim \
+                     again at their recheck"
+                );
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// The placeholder record of a key claimed in the request's transaction.
@@ -623,9 +670,7 @@ async fn complete(
     notify: Option<i64>,
 ) -> Result<Completion, StoreError> {
     let batch = completion_batch(claimed, ttl, stored, false, bounds, notify)?;
-    let done = sqlx::raw_sql(AssertSqlSafe(batch))
-        .execute(tx.conn()?)
-        .await;
+    let done = run_completion(tx.conn()?, batch).await;
     let err = match done {
         Ok(_) => {
             tx.ended();
@@ -638,9 +683,7 @@ async fn complete(
         return Ok(Completion::Failed(err));
     }
     let batch = completion_batch(claimed, ttl, stored, true, bounds, notify)?;
-    let done = sqlx::raw_sql(AssertSqlSafe(batch))
-        .execute(tx.conn()?)
-        .await;
+    let done = run_completion(tx.conn()?, batch).await;
     Ok(match done {
         Ok(_) => {
             tx.ended();
@@ -821,18 +864,25 @@ mod tests {
         };
         let ttl = Duration::from_secs(1);
         let done = completion_batch(&placeholder, ttl, &stored, false, unbounded, None).unwrap();
+        assert_eq!(done.through_commit, 2);
         assert_eq!(
-            done,
+            done.sql,
             "SELECT tower_idempotency_complete_tx('(0,7)',E't',E'k',1000,201::smallint,\
              decode('','hex'),decode('7b7d','hex')); COMMIT"
         );
         let again = completion_batch(&placeholder, ttl, &stored, true, bounded, Some(42)).unwrap();
+        assert_eq!(again.through_commit, 5);
+        let again = again.sql;
         assert!(again.starts_with(
             "ROLLBACK TO SAVEPOINT tower_idempotency_handler; SET LOCAL statement_timeout = 5000; \
              SET LOCAL lock_timeout = 1000; SELECT "
         ));
-        // The wake-up goes in the transaction, before its COMMIT.
-        assert!(again.ends_with(",decode('7b7d','hex'),42); COMMIT"));
+        // The wake-up comes after the request's COMMIT, in a transaction of its own that sees
+        // the waiters registered while the handler ran.
+        assert!(again.ends_with(
+            ",decode('7b7d','hex')); COMMIT; BEGIN ISOLATION LEVEL READ COMMITTED; \
+             SELECT tower_idempotency_wake(42); COMMIT"
+        ));
     }
 
     #[test]

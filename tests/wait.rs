@@ -8,18 +8,20 @@ mod support;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
+use sqlx::postgres::PgPoolOptions;
 use support::{Answer, PgSchema, read, req};
 use tokio::sync::Semaphore;
 use tower::{Layer, ServiceExt};
 use tower_idempotency::body::RequestBody;
 use tower_idempotency::{
-    ClaimOutcome, ClaimRequest, IdempotencyKey, IdempotencyLayer, IdempotentTx, MemoryStore, Mode,
-    PostgresStore, Store, StoredResponse, fingerprint::fingerprint,
+    ClaimOutcome, ClaimRequest, IdempotencyKey, IdempotencyLayer, IdempotentTx, IsolationLevel,
+    MemoryStore, Mode, PostgresStore, Store, StoredResponse, Transactional,
+    fingerprint::fingerprint,
 };
 
 /// A handler whose calls wait at a gate the test opens, and count. Call `n` answers `500`
@@ -422,6 +424,146 @@ mod postgres {
         assert_eq!(rows, vec![2]);
         a.pool().close().await;
         b.pool().close().await;
+        schema.drop_schema().await;
+    }
+
+    /// Two instances whose every connection runs at `level` by default (the waiters'
+    /// registrations too), and whose requests' transactions run at `level`.
+    async fn instances_at(
+        schema: &PgSchema,
+        level: IsolationLevel,
+    ) -> (Transactional, Transactional) {
+        let name = match level {
+            IsolationLevel::ReadCommitted => "read committed",
+            IsolationLevel::RepeatableRead => "repeatable read",
+            _ => "serializable",
+        };
+        let pool = |n| {
+            PgPoolOptions::new().max_connections(n).connect_with(
+                schema
+                    .connect_options()
+                    .options([("default_transaction_isolation", name)]),
+            )
+        };
+        // The first requests hold a connection each; the duplicates' claims, one for a moment.
+        let a = PostgresStore::new(pool(54).await.unwrap());
+        a.migrate().await.unwrap();
+        sqlx::query("CREATE TABLE IF NOT EXISTS work (n int)")
+            .execute(a.pool())
+            .await
+            .unwrap();
+        let b = PostgresStore::new(pool(20).await.unwrap());
+        (
+            a.transactional().with_isolation(level),
+            b.transactional().with_isolation(level),
+        )
+    }
+
+    const LEVELS: [IsolationLevel; 3] = [
+        IsolationLevel::ReadCommitted,
+        IsolationLevel::RepeatableRead,
+        IsolationLevel::Serializable,
+    ];
+
+    /// A duplicate waiting on another instance is woken by the first request's commit, at
+    /// every isolation level: the look for waiters runs after the commit, so it sees a waiter
+    /// that registered while the handler ran (the request's own snapshot, under `REPEATABLE
+    /// READ` and `SERIALIZABLE`, dates from before it). Not woken, the waiter would claim again
+    /// only at its one-second recheck.
+    #[tokio::test]
+    async fn transactional_waiters_are_woken_by_the_commit_at_every_level() {
+        for level in LEVELS {
+            let schema = PgSchema::new().await;
+            let (a, b) = instances_at(&schema, level).await;
+            let h = Gated::new(false);
+            let first = send(&waiting(a.clone()), &h, "k");
+            until("the first runs", || h.calls() == 1).await;
+            let dup = send(&waiting(b.clone()), &h, "k");
+            // The duplicate registers, claims again (in flight), and sleeps.
+            for _ in 0..2000 {
+                let waiting: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM tower_idempotency_waiting")
+                        .fetch_one(a.store().pool())
+                        .await
+                        .unwrap();
+                if waiting > 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            let opened = Instant::now();
+            h.open(1);
+            let first = first.await.unwrap();
+            let dup = dup.await.unwrap();
+            let latency = opened.elapsed();
+            assert_eq!(first.status, 201, "{level:?}");
+            assert!(dup.replayed(), "{level:?}: {}", dup.text());
+            assert_eq!(dup.body, first.body, "{level:?}");
+            assert!(
+                latency < Duration::from_millis(500),
+                "{level:?}: the waiter got its answer {latency:?} after the first was let go: \
+                 not woken by the commit, it waited for its recheck"
+            );
+            assert_eq!(h.calls(), 1, "{level:?}");
+            a.store().pool().close().await;
+            b.store().pool().close().await;
+            schema.drop_schema().await;
+        }
+    }
+
+    /// Under `SERIALIZABLE` (the requests' transactions and every other connection), fifty
+    /// keys in flight at once, each with a duplicate waiting on another instance: every first
+    /// request commits (no `503` from a serialization failure between requests for different
+    /// keys), every waiter gets its first's answer, and each handler ran once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fifty_keys_with_waiters_under_serializable_commit_without_conflicts() {
+        const KEYS: usize = 50;
+        let schema = PgSchema::new().await;
+        let (a, b) = instances_at(&schema, IsolationLevel::Serializable).await;
+        let h = Gated::new(false);
+        let firsts: Vec<_> = (0..KEYS)
+            .map(|k| send(&waiting(a.clone()), &h, &format!("key-{k}")))
+            .collect();
+        until("every first runs", || h.calls() == KEYS).await;
+        let dups: Vec<_> = (0..KEYS)
+            .map(|k| send(&waiting(b.clone()), &h, &format!("key-{k}")))
+            .collect();
+        let look = schema.pool(1).await;
+        for _ in 0..2000 {
+            let waiting: i64 = sqlx::query_scalar("SELECT count(*) FROM tower_idempotency_waiting")
+                .fetch_one(&look)
+                .await
+                .unwrap();
+            if waiting == i64::try_from(KEYS).unwrap() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        h.open(KEYS);
+        let mut failed = Vec::new();
+        let mut bodies = Vec::new();
+        for (k, f) in firsts.into_iter().enumerate() {
+            let f = f.await.unwrap();
+            if f.status != 201 {
+                failed.push(format!("key-{k}: {} {}", f.status, f.text()));
+            }
+            bodies.push(f.body);
+        }
+        assert!(
+            failed.is_empty(),
+            "{} of {KEYS} first requests failed: {failed:?}",
+            failed.len()
+        );
+        for (k, d) in dups.into_iter().enumerate() {
+            let d = d.await.unwrap();
+            assert!(d.replayed(), "key-{k}: {} {}", d.status, d.text());
+            assert_eq!(d.body, bodies[k], "key-{k}");
+        }
+        assert_eq!(h.calls(), KEYS, "each handler ran once");
+        look.close().await;
+        a.store().pool().close().await;
+        b.store().pool().close().await;
         schema.drop_schema().await;
     }
 

@@ -1,9 +1,11 @@
 //! Wake-ups across processes for [`PostgresStore`](super::PostgresStore).
 //!
 //! A waiting duplicate registers its key's hash in `tower_idempotency_waiting` (migration 7)
-//! for a while. Completions, releases and rollbacks look the hash up in their own transaction
-//! and send `NOTIFY tower_idempotency, '<key hash>'` only when it is there (delivered when
-//! they commit). One listening connection per store (not taken from the application's pool)
+//! for a while. Plain mode's completions and releases look the hash up in their own
+//! statement; transactional mode's commits and rollbacks right after they end, in a `READ
+//! COMMITTED` transaction of their own (the request's snapshot may date from before the
+//! waiter came). Either sends `NOTIFY tower_idempotency, '<key hash>'` only when the hash is
+//! there. One listening connection per store (not taken from the application's pool)
 //! wakes the waiting duplicates of its process.
 
 use std::sync::{Arc, Mutex};

@@ -99,15 +99,18 @@ pub(crate) fn append(sql: &mut String, template: &str, args: &[Lit<'_>]) -> Resu
 /// `SET LOCAL` of the store's bounds, to put in front of its statements in one message: in
 /// a transaction, or in the implicit transaction of a message of several statements, they
 /// hold for the statements after them and end with the transaction. A bound of zero leaves
-/// the session's own setting.
-pub(crate) fn push_bounds(sql: &mut String, statement: Duration, lock: Duration) {
+/// the session's own setting. Returns how many statements it wrote.
+pub(crate) fn push_bounds(sql: &mut String, statement: Duration, lock: Duration) -> usize {
+    let mut written = 0;
     for (name, bound) in [("statement_timeout", statement), ("lock_timeout", lock)] {
         // Postgres takes at most `INT_MAX` milliseconds (about 24 days).
         let ms = bound.as_millis().min(2_147_483_647);
         if ms > 0 {
             let _ = write!(sql, "SET LOCAL {name} = {ms}; ");
+            written += 1;
         }
     }
+    written
 }
 
 /// Appends `bytes` to `sql` as an expression of type `bytea`. Only hex digits are copied into
