@@ -120,7 +120,8 @@ use crate::service::{
 use crate::store::PostgresStore;
 use crate::store::listen::wake_statement;
 use crate::store::postgres::{
-    db_error, decode_response, is_serialization_failure, millis, status_column,
+    LOCK_NOT_AVAILABLE, db_error, decode_response, is_serialization_failure, millis, sqlstate_is,
+    status_column,
 };
 use crate::store::sql::{push_bounds, push_bytea, push_text};
 use crate::wait::claim_or_wait;
@@ -597,6 +598,12 @@ async fn claim(
             // SERIALIZABLE): claim again; the look will find it. The connection is closed
             // (by the drop), which also ends the failed transaction.
             Err(e) if is_serialization_failure(&e) => continue,
+            // Another transaction holds the key's row past the store's lock timeout (a purge's
+            // batch, a plain-mode claim's takeover): the key is in flight, as plain mode says.
+            Err(e) if sqlstate_is(&e, LOCK_NOT_AVAILABLE) => {
+                tx.rollback_later();
+                return Ok(Err(Taken::InFlight(HELD_RETRY_AFTER)));
+            }
             Err(e) => return Err(tx_mode.store.error(e)),
         };
         let step = |name: &str| {

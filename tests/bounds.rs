@@ -87,6 +87,46 @@ async fn a_claim_blocked_on_the_keys_row_answers_409_after_the_lock_timeout() {
     schema.drop_schema().await;
 }
 
+/// The same in transactional mode: another transaction holds the expired record's row (a
+/// purge's batch locks the records it is about to delete); the claim's takeover waits no
+/// longer than the store's lock timeout, then answers "in flight" (`409`, as plain mode
+/// does), not `503`; once the row is free the handler runs, once.
+#[tokio::test]
+async fn a_transactional_claim_blocked_on_the_keys_row_answers_409_after_the_lock_timeout() {
+    let schema = PgSchema::new().await;
+    let store = schema
+        .store()
+        .await
+        .with_lock_timeout(Duration::from_millis(200));
+    expired_record(&store).await;
+
+    let mut holder = direct(&schema).await;
+    sqlx::raw_sql("BEGIN; SELECT * FROM tower_idempotency_keys WHERE key = 'k' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+
+    let calls = Calls::default();
+    let svc = IdempotencyLayer::new(store.transactional()).layer(support::handler(calls.clone()));
+    let send = || svc.clone().oneshot(req("POST", "/pay", Some("k"), "b"));
+    let started = Instant::now();
+    let blocked = read(send().await.unwrap()).await;
+    blocked.assert_problem(409, "request-in-progress");
+    assert!(blocked.headers.contains_key("retry-after"));
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(4), "waited {waited:?}");
+    assert_eq!(calls.total(), 0);
+
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let after = read(send().await.unwrap()).await;
+    assert_eq!(after.status, 201, "{}", after.text());
+    assert_eq!(calls.get("/pay"), 1);
+    schema.drop_schema().await;
+}
+
 /// With no lock timeout, the store's statement timeout still bounds the wait: the claim
 /// fails with [`StoreError::Timeout`] (the layer answers `503`).
 #[tokio::test]

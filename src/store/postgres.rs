@@ -532,7 +532,7 @@ fn claim_args<'a>(req: &'a ClaimRequest<'a>, lock_timeout: Duration) -> [Lit<'a>
 /// SQLSTATE `query_canceled`: here, a statement cancelled at `statement_timeout`.
 const QUERY_CANCELED: &str = "57014";
 /// SQLSTATE `lock_not_available`: here, a lock not granted within `lock_timeout`.
-const LOCK_NOT_AVAILABLE: &str = "55P03";
+pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 /// Whether `err` is a database error with SQLSTATE `code`.
 pub(crate) fn sqlstate_is(err: &sqlx::Error, code: &str) -> bool {
