@@ -330,7 +330,9 @@ pub use store::{
 #[cfg(feature = "postgres")]
 pub use store::{ClaimStrategy, PostgresStore};
 #[cfg(feature = "postgres")]
-pub use transactional::{IdempotentTx, IsolationLevel, Transactional, TxConn, TxFinished};
+pub use transactional::{
+    DEFAULT_HANDLER_TIMEOUT, IdempotentTx, IsolationLevel, Transactional, TxConn, TxUnavailable,
+};
 
 pub mod problems {
     //! The problem types of the layer's own answers (RFC 9457 `type` URIs point here).
@@ -370,6 +372,12 @@ pub mod problems {
     //! ## store-unavailable
     //! `503` with `Retry-After`: the idempotency store failed; the request was not processed
     //! and is safe to retry with the same key.
+    //!
+    //! ## handler-timed-out
+    //! `503` with `Retry-After`: in transactional mode, the handler ran longer than the
+    //! layer's bound ([`Transactional::with_handler_timeout`](crate::Transactional::with_handler_timeout))
+    //! and was stopped; its transaction was rolled back, so nothing of it was committed, and
+    //! the key is free again. Safe to retry with the same key.
     //!
     //! ## missing-scope
     //! `401`: the layer requires a scope (the authenticated principal; see

@@ -67,6 +67,10 @@ pub enum Rejection {
     },
     /// `503`: the idempotency store could not be reached; the handler was not run.
     StoreUnavailable,
+    /// `503`: in transactional mode, the handler ran past
+    /// [`with_handler_timeout`](crate::Transactional::with_handler_timeout); it was stopped and
+    /// its transaction rolled back, so nothing of it was committed.
+    HandlerTimedOut,
     /// `401`: the layer requires a scope
     /// ([`with_scope_required`](crate::IdempotencyLayer::with_scope_required)) and none could
     /// be derived from the request: it has no authenticated principal. Sent without a
@@ -85,7 +89,7 @@ impl Rejection {
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InFlight { .. } | Self::ResponseNotStored { .. } => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable | Self::HandlerTimedOut => StatusCode::SERVICE_UNAVAILABLE,
             Self::MissingScope => StatusCode::UNAUTHORIZED,
         }
     }
@@ -102,6 +106,7 @@ impl Rejection {
             Self::KeyReused => "key-reused",
             Self::ResponseNotStored { .. } => "response-not-stored",
             Self::StoreUnavailable => "store-unavailable",
+            Self::HandlerTimedOut => "handler-timed-out",
             Self::MissingScope => "missing-scope",
         }
     }
@@ -121,6 +126,7 @@ impl Rejection {
                 "The request with this Idempotency-Key was processed, but its response cannot be replayed"
             }
             Self::StoreUnavailable => "The idempotency store is unavailable",
+            Self::HandlerTimedOut => "The request took too long to process",
             Self::MissingScope => "The request has no authenticated principal",
         }
     }
@@ -174,6 +180,9 @@ impl Rejection {
             Self::StoreUnavailable => {
                 "The request was not processed. It is safe to retry with the same key.".into()
             }
+            Self::HandlerTimedOut => "The request ran longer than the server allows and was \
+                 rolled back: nothing of it was committed. It is safe to retry with the same key."
+                .into(),
             Self::MissingScope => "The request was not processed: this operation needs an \
                  authenticated client. Authenticate, then retry with the same key."
                 .into(),
@@ -214,7 +223,7 @@ impl Rejection {
             .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         let retry = match self {
             Self::InFlight { retry_after } => Some(retry_after_secs(*retry_after)),
-            Self::StoreUnavailable => Some(spread_retry_after()),
+            Self::StoreUnavailable | Self::HandlerTimedOut => Some(spread_retry_after()),
             _ => None,
         };
         if let Some(secs) = retry {
@@ -331,6 +340,7 @@ mod tests {
                 original_status: StatusCode::CREATED,
             },
             Rejection::StoreUnavailable,
+            Rejection::HandlerTimedOut,
             Rejection::MissingScope,
         ];
         for r in all {

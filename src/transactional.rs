@@ -91,7 +91,9 @@
 //! holds it waits for that transaction, then sees its outcome.
 //!
 //! Each keyed request holds one pooled connection for as long as its handler runs: size the
-//! pool for the concurrency of your idempotent routes. Work that leaves the database (a call to
+//! pool for the concurrency of your idempotent routes. A handler runs at most
+//! [`Transactional::with_handler_timeout`] (30 s by default); past it the layer stops it and
+//! rolls its transaction back, so a hung handler cannot hold its key and its connection. Work that leaves the database (a call to
 //! a payment provider) is not rolled back; pass it a [derived key](crate::IdempotencyKey::derive)
 //! so that the other side deduplicates the retry.
 
@@ -104,7 +106,7 @@ use http_body::Body;
 use sha2::{Digest, Sha256};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
-use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use tower_service::Service;
 
@@ -133,7 +135,12 @@ use crate::wait::claim_or_wait;
 pub struct Transactional {
     store: PostgresStore,
     isolation: Option<IsolationLevel>,
+    handler_timeout: Option<Duration>,
 }
+
+/// How long a handler may run in transactional mode unless
+/// [`Transactional::with_handler_timeout`] says otherwise.
+pub const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The isolation level of the transaction that transactional mode opens for a request
 /// ([`Transactional::with_isolation`]).
@@ -165,6 +172,7 @@ impl PostgresStore {
         Transactional {
             store: self.clone(),
             isolation: None,
+            handler_timeout: Some(DEFAULT_HANDLER_TIMEOUT),
         }
     }
 }
@@ -189,6 +197,31 @@ impl Transactional {
         self.isolation = Some(level);
         self
     }
+
+    /// The longest a handler may run, from the claim to its answer's last byte (default
+    /// [`DEFAULT_HANDLER_TIMEOUT`], 30 s; `Duration::ZERO`: no bound).
+    ///
+    /// While a handler runs, its request holds the key and a pooled connection with a
+    /// transaction open: a handler that hangs (a remote call without a timeout, a lock that
+    /// never comes) would hold both until the process restarts, and every retry of the key
+    /// would get `409`. Past this bound the layer stops the handler (drops its future), rolls
+    /// its transaction back, frees the key and answers `503`
+    /// [`handler-timed-out`](crate::problems#handler-timed-out) with `Retry-After`; nothing
+    /// of the handler's was committed, and a retry runs it again. A handler that moved a
+    /// [`TxConn`] into a task of its own gets the same bound once more to drop it; then the
+    /// layer ends the transaction from another connection (`pg_terminate_backend`).
+    ///
+    /// Work that leaves the database (a payment provider) is not undone by the rollback: give
+    /// it a [derived key](crate::IdempotencyKey::derive) and a timeout shorter than this one.
+    ///
+    /// On the server, `idle_in_transaction_session_timeout` ends a transaction that waits
+    /// between statements for too long (a process that hangs outside the layer's reach); set
+    /// it for the application's role a little above this bound, so that it only acts when the
+    /// layer cannot: `ALTER ROLE app SET idle_in_transaction_session_timeout = '35s'`.
+    pub fn with_handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = (!timeout.is_zero()).then_some(timeout);
+        self
+    }
 }
 
 impl Mode for Transactional {}
@@ -208,36 +241,110 @@ impl Mode for Transactional {}
 #[derive(Clone)]
 pub struct IdempotentTx {
     slot: Arc<Mutex<Option<OpenTx>>>,
+    /// The server process of the transaction's connection (`pg_backend_pid()`), to end the
+    /// transaction from another connection when a handler never lets go of a [`TxConn`].
+    backend: Option<i32>,
 }
 
 /// A borrowed connection inside the request's transaction; use `&mut *conn` as a sqlx
 /// executor.
 pub type TxConn<'a> = MappedMutexGuard<'a, PgConnection>;
 
-/// The request's transaction is no longer available: the layer already committed or rolled
-/// it back (the handler kept the handle past its answer).
-#[derive(Debug, Clone, Copy, thiserror::Error)]
-#[error("the idempotent request's transaction has already ended")]
-pub struct TxFinished;
+/// Why [`IdempotentTx::conn`] gave no connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TxUnavailable {
+    /// The layer already committed or rolled the transaction back (the handler kept the
+    /// handle past its answer, or past [`Transactional::with_handler_timeout`]).
+    #[error("the idempotent request's transaction has already ended")]
+    Finished,
+    /// A [`TxConn`] of this transaction is still held: drop it first. (Waiting for it could
+    /// never end when the caller holds it itself.)
+    #[error("the idempotent request's transaction is in use: a TxConn of it is still held")]
+    InUse,
+}
 
 impl IdempotentTx {
-    /// Locks the transaction's connection for a statement or a few. Statements of one request
-    /// run one at a time.
+    /// Borrows the transaction's connection for a statement or a few. Statements of one
+    /// request run one at a time: hold one `TxConn` at a time, and drop it before asking for
+    /// the next. This never waits.
     ///
     /// # Errors
     ///
-    /// [`TxFinished`] when the layer already ended the transaction.
-    pub async fn conn(&self) -> Result<TxConn<'_>, TxFinished> {
-        MutexGuard::try_map(self.slot.lock().await, |tx| {
-            tx.as_mut().and_then(|tx| tx.conn.as_deref_mut())
-        })
-        .map_err(|_| TxFinished)
+    /// [`TxUnavailable::InUse`] while another `TxConn` of the transaction is held (by this
+    /// task or another one of the handler's), [`TxUnavailable::Finished`] when the layer
+    /// already ended the transaction.
+    pub async fn conn(&self) -> Result<TxConn<'_>, TxUnavailable> {
+        let slot = self.slot.try_lock().map_err(|_| TxUnavailable::InUse)?;
+        MutexGuard::try_map(slot, |tx| tx.as_mut().and_then(|tx| tx.conn.as_deref_mut()))
+            .map_err(|_| TxUnavailable::Finished)
     }
 
-    fn take(&self) -> Option<OpenTx> {
-        // `try_lock` fails only if the handler still holds a `TxConn` after answering (it
-        // moved one into a task that outlives it); the transaction is then not ours to end.
-        self.slot.try_lock().ok().and_then(|mut tx| tx.take())
+    /// Takes the transaction to end it; `Err` while the handler still holds a `TxConn` (it
+    /// moved one into a task that outlives its answer).
+    fn take(&self) -> Result<Option<OpenTx>, TxUnavailable> {
+        let mut slot = self.slot.try_lock().map_err(|_| TxUnavailable::InUse)?;
+        Ok(slot.take())
+    }
+
+    /// Rolls the transaction back and wakes the key's waiters; or, when a `TxConn` of it is
+    /// still held, ends it once that is dropped, in the background: after `bound` at the
+    /// latest, by ending its server process from another connection.
+    async fn roll_back(&self, notify: Option<i64>, bound: Option<Duration>, pool: &PgPool) {
+        match self.take() {
+            Ok(tx) => rollback(tx, notify).await,
+            Err(_) => self.roll_back_when_released(notify, bound, pool.clone()),
+        }
+    }
+
+    fn roll_back_when_released(&self, notify: Option<i64>, bound: Option<Duration>, pool: PgPool) {
+        tracing::error!(
+            "idempotency: the handler still holds a TxConn of its transaction after its answer \
+             (it moved one into a task of its own): the transaction stays open and holds the \
+             key until that is dropped, then it is rolled back"
+        );
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // Without a runtime, the transaction ends when the last handle goes: its
+            // connection is closed and Postgres rolls it back.
+            return;
+        };
+        let slot = self.slot.clone();
+        let backend = self.backend;
+        runtime.spawn(async move {
+            let released = slot.clone().lock_owned();
+            let guard = match bound {
+                Some(bound) => tokio::time::timeout(bound, released).await.ok(),
+                None => Some(released.await),
+            };
+            if let Some(mut guard) = guard {
+                let tx = guard.take();
+                drop(guard);
+                rollback(tx, notify).await;
+                return;
+            }
+            // Still held past the bound: end the transaction from outside. The connection
+            // stays out of the pool (it is closed when the handler lets go of it), so the
+            // server process is still this transaction's.
+            let Some(pid) = backend else { return };
+            let ended = sqlx::raw_sql(AssertSqlSafe(format!("SELECT pg_terminate_backend({pid})")))
+                .execute(&pool)
+                .await;
+            match ended {
+                Ok(_) => tracing::warn!(
+                    pid,
+                    "idempotency: ended a transaction whose handler held a TxConn past the \
+                     handler timeout; its key is free"
+                ),
+                Err(e) => tracing::warn!(
+                    error = &e as &dyn std::error::Error,
+                    pid,
+                    "idempotency: could not end a transaction whose handler holds a TxConn; \
+                     it holds its key until the TxConn is dropped"
+                ),
+            }
+            // Keep the slot (and so the connection, marked to close) until the end.
+            drop(slot);
+        });
     }
 }
 
@@ -423,7 +530,9 @@ fn claim_batch(
          set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true); ",
     );
     push_bounds(&mut sql, statement_timeout, lock_timeout);
-    sql.push_str("SELECT 'claim' AS step, c.* FROM tower_idempotency_claim_tx(");
+    sql.push_str(
+        "SELECT 'claim' AS step, c.*, pg_backend_pid() AS backend FROM tower_idempotency_claim_tx(",
+    );
     sql.push_str(&lock_id(scope, key).to_string());
     for arg in [&s_arg, &k_arg, &fp_arg] {
         sql.push(',');
@@ -568,6 +677,8 @@ struct Placeholder {
     row: String,
     scope: String,
     key: String,
+    /// The server process of the transaction's connection.
+    backend: Option<i32>,
 }
 
 /// Opens the request's transaction with the key claimed in it (`Ok(Ok(_))`), or says who
@@ -627,6 +738,7 @@ async fn claim(
                     row,
                     scope: scope.to_owned(),
                     key: key.to_owned(),
+                    backend: claim.try_get("backend").ok(),
                 };
                 return Ok(Ok((tx, placeholder)));
             }
@@ -761,6 +873,7 @@ impl Sealed for Transactional {
         // key's lock.
         let handle = IdempotentTx {
             slot: Arc::new(Mutex::new(Some(tx))),
+            backend: placeholder.backend,
         };
         parts.extensions.insert(key.clone());
         parts.extensions.insert(handle.clone());
@@ -771,24 +884,45 @@ impl Sealed for Transactional {
         // Rolled back: the key is free again, and its waiters (if the store wakes them)
         // claim it.
         let notify = self.store.notification(&scope, &key);
-        let response = match inner.call(req).await {
-            Ok(r) => r,
-            Err(e) => {
-                rollback(handle.take(), notify).await;
+        let bound = self.handler_timeout;
+        let pool = self.store.pool();
+        let handled = async {
+            let response = inner.call(req).await?;
+            Ok(to_store(&config, response).await)
+        };
+        let handled = match bound {
+            Some(bound) => tokio::time::timeout(bound, handled).await,
+            None => Ok(handled.await),
+        };
+        let (mut response, stored) = match handled {
+            Ok(Ok(handled)) => handled,
+            Ok(Err(e)) => {
+                handle.roll_back(notify, bound, pool).await;
                 return Err(e);
             }
+            // The handler's future is dropped: whatever `TxConn` it held in it is let go.
+            Err(_) => {
+                tracing::warn!(
+                    timeout = ?bound,
+                    "idempotency: the handler ran past its time bound; stopped, its \
+                     transaction rolled back, answered 503"
+                );
+                handle.roll_back(notify, bound, pool).await;
+                return Ok(render(&config, &Rejection::HandlerTimedOut));
+            }
         };
-        let (mut response, stored) = to_store(&config, response).await;
         let Some(stored) = stored else {
             // A 5xx, or a body that failed: roll the handler's writes back.
-            rollback(handle.take(), notify).await;
+            handle.roll_back(notify, bound, pool).await;
             return Ok(response);
         };
-        let Some(tx) = handle.take() else {
-            tracing::error!(
-                "the handler kept the idempotent transaction past its answer; rolled back"
-            );
-            return Ok(render(&config, &Rejection::StoreUnavailable));
+        let tx = match handle.take() {
+            Ok(Some(tx)) => tx,
+            // Nothing committed: the answer is not the client's to keep.
+            Ok(None) | Err(_) => {
+                handle.roll_back(notify, bound, pool).await;
+                return Ok(render(&config, &Rejection::StoreUnavailable));
+            }
         };
         let bounds = self.store.bounds();
         let completion = complete(tx, &placeholder, config.ttl, &stored.answer, bounds, notify);
@@ -838,9 +972,10 @@ mod tests {
         let claim = claim_batch("t", "k", &[1, 2], None, unbounded).unwrap();
         assert!(claim.starts_with("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SELECT 'look'"));
         assert!(claim.contains("; COMMIT; BEGIN; SELECT set_config("));
-        assert!(
-            claim.contains("true); SELECT 'claim' AS step, c.* FROM tower_idempotency_claim_tx(")
-        );
+        assert!(claim.contains(
+            "true); SELECT 'claim' AS step, c.*, pg_backend_pid() AS backend \
+                 FROM tower_idempotency_claim_tx("
+        ));
         assert!(claim.contains(",E't',E'k',decode('0102','hex')) AS c; SELECT set_config("));
         assert!(claim.ends_with("true); SAVEPOINT tower_idempotency_handler"));
         let serializable = claim_batch(
@@ -868,6 +1003,7 @@ mod tests {
             row: "(0,7)".into(),
             scope: "t".into(),
             key: "k".into(),
+            backend: None,
         };
         let ttl = Duration::from_secs(1);
         let done = completion_batch(&placeholder, ttl, &stored, false, unbounded, None).unwrap();

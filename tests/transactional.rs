@@ -598,3 +598,208 @@ async fn axum_extractor_writes_in_the_request_transaction() {
     assert_eq!(plain.text(), "false");
     fx.cleanup().await;
 }
+
+/// What the handler of [`bounded_app`] does on its first call, after writing its payment row;
+/// later calls write theirs and answer `201`.
+#[derive(Clone, Copy)]
+enum FirstCall {
+    /// Never answers (a remote call without a timeout).
+    Hangs,
+    /// Moves its `TxConn` into a task that keeps it this long, and answers `201` at once.
+    KeepsTheConnFor(Duration),
+    /// Asks for a second `TxConn` while it holds one.
+    AsksTwice,
+}
+
+/// The transactional layer, with `timeout` as its handler bound, over a handler that writes a
+/// payment row and, on its first call, does what `first` says.
+type BoundedApp = std::sync::Arc<
+    dyn Fn(Request<Full<Bytes>>) -> std::pin::Pin<Box<dyn Future<Output = Answer> + Send>>
+        + Send
+        + Sync,
+>;
+
+fn bounded_app(
+    fx: &Fx,
+    timeout: Duration,
+    first: FirstCall,
+) -> (BoundedApp, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let handler = tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
+        let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+        async move {
+            let tx = req.extensions().get::<IdempotentTx>().unwrap().clone();
+            let mut conn = tx.conn().await.unwrap();
+            sqlx::query("INSERT INTO payments (note) VALUES ('paid')")
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            let mut body = format!("call {n}");
+            if n == 1 {
+                match first {
+                    FirstCall::Hangs => std::future::pending::<()>().await,
+                    FirstCall::KeepsTheConnFor(hold) => {
+                        drop(conn);
+                        let keeper = tx.clone();
+                        tokio::spawn(async move {
+                            let _kept = keeper.conn().await.unwrap();
+                            tokio::time::sleep(hold).await;
+                        });
+                        // The task has its TxConn before the handler answers.
+                        while tx.conn().await.is_ok() {
+                            tokio::task::yield_now().await;
+                        }
+                        return Ok(Response::new(Full::new(Bytes::from(body))));
+                    }
+                    FirstCall::AsksTwice => {
+                        let second = tokio::time::timeout(Duration::from_secs(5), tx.conn()).await;
+                        body = match second {
+                            Ok(Err(e)) => format!("second conn: {e}"),
+                            Ok(Ok(_)) => "second conn: granted".into(),
+                            Err(_) => "second conn: still waiting after 5 s".into(),
+                        };
+                    }
+                }
+            }
+            drop(conn);
+            let mut res = Response::new(Full::new(Bytes::from(body)));
+            *res.status_mut() = StatusCode::CREATED;
+            Ok::<_, std::io::Error>(res)
+        }
+    });
+    let svc = IdempotencyLayer::new(fx.store.transactional().with_handler_timeout(timeout))
+        .layer(handler);
+    let app: BoundedApp = std::sync::Arc::new(move |r| {
+        let svc = svc.clone();
+        Box::pin(async move { read(svc.oneshot(r).await.unwrap()).await })
+    });
+    (app, calls)
+}
+
+/// A handler that never answers is stopped at the handler bound: the client gets `503`
+/// `handler-timed-out` with `Retry-After`, its write is rolled back, its pooled connection
+/// goes back to the pool, and the key is free: the retry runs the handler and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_handler_is_stopped_at_the_handler_timeout_and_its_key_freed() {
+    let fx = Fx::new().await;
+    let (app, calls) = bounded_app(&fx, Duration::from_millis(300), FirstCall::Hangs);
+    let started = std::time::Instant::now();
+    let first = tokio::time::timeout(
+        Duration::from_secs(10),
+        app(req("POST", "/pay", Some("k"), "b")),
+    )
+    .await
+    .expect("a hung handler must not hold its request forever");
+    first.assert_problem(503, "handler-timed-out");
+    assert!(first.headers.contains_key("retry-after"));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(
+        fx.payments().await,
+        0,
+        "the hung handler's write was rolled back"
+    );
+    assert_eq!(fx.keys().await, 0, "the key is free");
+    let pool = fx.store.pool();
+    assert_eq!(
+        pool.size() as usize,
+        pool.num_idle(),
+        "every connection back in the pool"
+    );
+
+    let retry = app(req("POST", "/pay", Some("k"), "b")).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert_eq!(retry.text(), "call 2");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert_eq!(fx.payments().await, 1);
+    fx.cleanup().await;
+}
+
+/// `IdempotentTx::conn` while a `TxConn` of the same transaction is held is an immediate
+/// error, never a wait that could not end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asking_for_a_second_conn_while_one_is_held_is_an_immediate_error() {
+    let fx = Fx::new().await;
+    let (app, _) = bounded_app(&fx, Duration::from_secs(30), FirstCall::AsksTwice);
+    let first = app(req("POST", "/pay", Some("k"), "b")).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(
+        first.text(),
+        "second conn: the idempotent request's transaction is in use: a TxConn of it is still held"
+    );
+    fx.cleanup().await;
+}
+
+/// A handler that answers while a task of its still holds a `TxConn`: nothing was committed,
+/// so the client gets `503`; the key stays held (a retry gets `409`) until the task drops its
+/// `TxConn`, then the transaction is rolled back, the connection goes back to the pool, and a
+/// retry runs the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_txconn_kept_past_the_answer_is_rolled_back_when_it_is_dropped() {
+    let fx = Fx::new().await;
+    let (app, calls) = bounded_app(
+        &fx,
+        Duration::from_secs(30),
+        FirstCall::KeepsTheConnFor(Duration::from_millis(700)),
+    );
+    let first = app(req("POST", "/pay", Some("k"), "b")).await;
+    first.assert_problem(503, "store-unavailable");
+    let meanwhile = app(req("POST", "/pay", Some("k"), "b")).await;
+    meanwhile.assert_problem(409, "request-in-progress");
+    let pool = fx.store.pool().clone();
+    let mut freed = false;
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        if pool.size() as usize == pool.num_idle() {
+            freed = true;
+            break;
+        }
+    }
+    assert!(
+        freed,
+        "the connection went back to the pool once the TxConn was dropped"
+    );
+    assert_eq!(
+        fx.payments().await,
+        0,
+        "the kept transaction was rolled back"
+    );
+    let retry = app(req("POST", "/pay", Some("k"), "b")).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert_eq!(fx.payments().await, 1);
+    fx.cleanup().await;
+}
+
+/// A `TxConn` kept by a task past the handler bound and never let go: the layer ends the
+/// transaction from another connection, so the key is free again after about twice the
+/// bound, and a retry runs the handler and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_txconn_kept_forever_is_ended_from_outside_after_the_handler_timeout() {
+    let fx = Fx::new().await;
+    let (app, calls) = bounded_app(
+        &fx,
+        Duration::from_millis(300),
+        // Far past the bound; not longer, so that the pool can close at the end.
+        FirstCall::KeepsTheConnFor(Duration::from_secs(5)),
+    );
+    let first = app(req("POST", "/pay", Some("k"), "b")).await;
+    let answered = std::time::Instant::now();
+    first.assert_problem(503, "store-unavailable");
+    let mut retry = None;
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let answer = app(req("POST", "/pay", Some("k"), "b")).await;
+        if answer.status != 409 {
+            retry = Some(answer);
+            break;
+        }
+    }
+    let retry = retry.expect("the key was freed before the TxConn was let go");
+    assert!(answered.elapsed() < Duration::from_secs(4));
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert_eq!(fx.payments().await, 1, "only the retry's write committed");
+    fx.cleanup().await;
+}
