@@ -151,7 +151,7 @@ const PURGE: &str = "
 DELETE FROM tower_idempotency_processed_messages
  WHERE ctid = ANY (ARRAY(
        SELECT ctid FROM tower_idempotency_processed_messages
-        WHERE processed_at < now() - $1::float8 * interval '1 millisecond'
+        WHERE processed_at < tower_idempotency_now() - $1::float8 * interval '1 millisecond'
         ORDER BY processed_at
         LIMIT $2
           FOR UPDATE SKIP LOCKED))";

@@ -473,7 +473,7 @@ fn sqlstate(err: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
 
 /// The record's columns, as the claim function returns them.
 const RECORD_COLUMNS: &str = "k.fingerprint, k.lease_token, \
-     (extract(epoch FROM k.lease_expires_at - now()) * 1000)::bigint AS lease_left_ms, \
+     (extract(epoch FROM k.lease_expires_at - tower_idempotency_now()) * 1000)::bigint AS lease_left_ms, \
      k.response_status, k.response_headers, k.response_body";
 
 /// The claim batch, one message:
@@ -516,7 +516,8 @@ fn claim_batch(
     sql.push_str(" AND k.key = ");
     sql.push_str(&k_arg);
     sql.push_str(
-        " AND k.expires_at > now() AND (k.lease_token IS NULL OR k.lease_expires_at > now() \
+        " AND k.expires_at > tower_idempotency_now() \
+         AND (k.lease_token IS NULL OR k.lease_expires_at > tower_idempotency_now() \
          OR k.fingerprint <> ",
     );
     sql.push_str(&fp_arg);

@@ -115,26 +115,34 @@ fn payments_app(
 
 const PAYMENTS_DDL: &str = "CREATE TABLE payments (id bigserial PRIMARY KEY, note text NOT NULL)";
 
-/// The race of issue 9, made certain: the second request's claim statement takes its snapshot,
-/// then the first request commits its record, then the second takes the key's lock. (A
-/// function in the test's schema, ahead of `pg_catalog` on the search path, stands in for
-/// `pg_try_advisory_xact_lock` and sleeps before taking the lock.) At every level the second
-/// request replays the first's answer; the handler runs once.
+/// A record committed between a claim's snapshot and its lock, made certain: the second
+/// request's transaction takes its snapshot, then the first request commits its record, then
+/// the second takes the key's lock. (A function in a schema ahead of the store's on the search
+/// path stands in for the transactional claim and sleeps before calling it.) At every level
+/// the second request replays the first's answer; the handler runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_committed_between_snapshot_and_lock_is_replayed_at_every_level() {
     for level in LEVELS {
         let (schema, setup) = migrated().await;
         sqlx::query(PAYMENTS_DDL).execute(&setup).await.unwrap();
+        let slow = format!("{}_slow", schema.name);
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "CREATE FUNCTION {}.pg_try_advisory_xact_lock(bigint) RETURNS boolean
-             LANGUAGE sql VOLATILE AS
-             $$ SELECT pg_sleep(1.0); SELECT pg_catalog.pg_try_advisory_xact_lock($1) $$",
-            schema.name
+            "CREATE SCHEMA {slow};
+             CREATE FUNCTION {slow}.tower_idempotency_claim_tx(
+                 p_lock bigint, p_scope text, p_key text, p_fingerprint bytea)
+             RETURNS TABLE (outcome text, claimed_row text, fingerprint bytea,
+                            lease_token bigint, lease_left_ms bigint, response_status smallint,
+                            response_headers bytea, response_body bytea)
+             LANGUAGE sql VOLATILE AS $$
+                 SELECT pg_sleep(1.0);
+                 SELECT * FROM {schema}.tower_idempotency_claim_tx(
+                     p_lock, p_scope, p_key, p_fingerprint) $$",
+            schema = schema.name
         )))
         .execute(&setup)
         .await
         .unwrap();
-        let pool = pool_with(&format!("{}, pg_catalog", schema.name), level, &[], 8).await;
+        let pool = pool_with(&format!("{slow}, {}", schema.name), level, &[], 8).await;
         let store = PostgresStore::new(pool.clone());
         let calls = Arc::new(AtomicUsize::new(0));
         let app = payments_app(&store, None, calls.clone());
@@ -162,6 +170,10 @@ async fn a_record_committed_between_snapshot_and_lock_is_replayed_at_every_level
             "{level}"
         );
         pool.close().await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {slow} CASCADE")))
+            .execute(&setup)
+            .await
+            .unwrap();
         done(schema, setup).await;
     }
 }

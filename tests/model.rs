@@ -13,9 +13,9 @@
 //! out a token twice.
 //!
 //! Time is the test's: the memory store runs on a paused Tokio clock moved by
-//! `tokio::time::advance`; each Postgres store gets a schema whose own `now()` (a function
-//! reading a one-row table, found before `pg_catalog`'s through the connection's
-//! `search_path`) replaces the database's clock, moved by updating the table.
+//! `tokio::time::advance`; each Postgres store gets a schema whose clock hook,
+//! `tower_idempotency_now()`, is replaced by a function reading a one-row table, moved by
+//! updating the table.
 #![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
 
 mod support;
@@ -482,16 +482,13 @@ struct Postgres {
 }
 
 impl Postgres {
-    /// A migrated store in `schema`, whose `now()` is the schema's clock.
+    /// A migrated store in `schema`, whose clock hook reads the schema's clock.
     async fn new(schema: &PgSchema, strategy: ClaimStrategy) -> Self {
         let s = &schema.name;
-        // pg_catalog named after the schema: an unqualified `now()` (in the store's
-        // statements and in the PL/pgSQL functions of the migrations alike) resolves to the
-        // schema's function first.
         let opts = PgConnectOptions::from_str(&support::database_url())
             .unwrap()
             .options([
-                ("search_path", format!("{s},pg_catalog")),
+                ("search_path", s.to_string()),
                 // Thousands of tiny commits: waiting for each to reach the disk is all the
                 // time they would take.
                 ("synchronous_commit", "off".into()),
@@ -501,17 +498,18 @@ impl Postgres {
             .connect_with(opts)
             .await
             .unwrap();
+        let store = PostgresStore::new(pool.clone()).with_claim_strategy(strategy);
+        store.migrate().await.unwrap();
+        // The store reads the time through its clock hook: here, the schema's clock.
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "CREATE TABLE {s}.ti_clock (t timestamptz NOT NULL);
              INSERT INTO {s}.ti_clock VALUES ('{START}');
-             CREATE FUNCTION {s}.now() RETURNS timestamptz
+             CREATE OR REPLACE FUNCTION {s}.tower_idempotency_now() RETURNS timestamptz
                  LANGUAGE sql STABLE AS $$ SELECT t FROM {s}.ti_clock $$;"
         )))
         .execute(&pool)
         .await
         .unwrap();
-        let store = PostgresStore::new(pool.clone()).with_claim_strategy(strategy);
-        store.migrate().await.unwrap();
         Postgres {
             strategy,
             store,

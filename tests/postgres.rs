@@ -208,3 +208,99 @@ async fn paced_purge_still_deletes_every_expired_record() {
     store.pool().close().await;
     schema.drop_schema().await;
 }
+
+/// The store's functions resolve names in their own schema, whatever the caller's
+/// `search_path`: an application schema ahead on it, with a table named like the store's and
+/// its own `now()` named before `pg_catalog`, changes neither where a record goes nor its
+/// times. (Names in the caller's own statements are the caller's to resolve: the store's
+/// schema must be on its path.)
+#[tokio::test]
+async fn functions_ignore_an_application_schema_ahead_on_the_search_path() {
+    use std::str::FromStr;
+    let schema = PgSchema::new().await;
+    let setup = schema.pool(2).await;
+    PostgresStore::new(setup.clone()).migrate().await.unwrap();
+    let app = format!("{}_app", schema.name);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE SCHEMA {app};
+         CREATE TABLE {app}.tower_idempotency_keys
+             (LIKE {s}.tower_idempotency_keys INCLUDING ALL);
+         CREATE FUNCTION {app}.now() RETURNS timestamptz LANGUAGE sql STABLE
+             AS $$ SELECT timestamptz '2100-01-01 00:00:00+00' $$;",
+        s = schema.name
+    )))
+    .execute(&setup)
+    .await
+    .unwrap();
+    let opts = sqlx::postgres::PgConnectOptions::from_str(&support::database_url())
+        .unwrap()
+        .options([(
+            "search_path",
+            format!("{app}, pg_catalog, {}", schema.name).as_str(),
+        )]);
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(opts)
+        .await
+        .unwrap();
+    let calls = Calls::default();
+    let svc = IdempotencyLayer::new(PostgresStore::new(pool.clone()))
+        .layer(support::handler(calls.clone()));
+    let first = read(
+        svc.clone()
+            .oneshot(req("POST", "/pay", Some("k"), "b"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let again = read(
+        svc.oneshot(req("POST", "/pay", Some("k"), "b"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert!(again.replayed(), "{}", again.text());
+    assert_eq!(calls.get("/pay"), 1);
+
+    let count = |table: String| {
+        let setup = setup.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM {table}"
+            )))
+            .fetch_one(&setup)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(
+        count(format!("{app}.tower_idempotency_keys")).await,
+        0,
+        "the application's table of the same name was written"
+    );
+    assert_eq!(
+        count(format!("{}.tower_idempotency_keys", schema.name)).await,
+        1
+    );
+    let (from_now,): (f64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT extract(epoch FROM expires_at - pg_catalog.now())::float8
+           FROM {}.tower_idempotency_keys",
+        schema.name
+    )))
+    .fetch_one(&setup)
+    .await
+    .unwrap();
+    let ttl = 24.0 * 3600.0;
+    assert!(
+        (from_now - ttl).abs() < 60.0,
+        "the record expires {from_now} s from now, not after the TTL on the database's clock"
+    );
+    pool.close().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {app} CASCADE")))
+        .execute(&setup)
+        .await
+        .unwrap();
+    setup.close().await;
+    schema.drop_schema().await;
+}

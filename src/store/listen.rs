@@ -44,14 +44,15 @@ pub(crate) fn wake_statement(hash: i64) -> String {
 fn register_statement(hash: i64) -> String {
     format!(
         "INSERT INTO tower_idempotency_waiting AS w (hash, until) \
-         VALUES ({hash}, now() + interval '{} milliseconds') \
+         VALUES ({hash}, tower_idempotency_now() + interval '{} milliseconds') \
          ON CONFLICT (hash) DO UPDATE SET until = greatest(w.until, excluded.until)",
         REGISTRATION.as_millis()
     )
 }
 
 /// Deletes the registrations past their time.
-pub(crate) const PURGE_WAITING: &str = "DELETE FROM tower_idempotency_waiting WHERE until <= now()";
+pub(crate) const PURGE_WAITING: &str =
+    "DELETE FROM tower_idempotency_waiting WHERE until <= tower_idempotency_now()";
 
 /// How long a waiter waits for the listener to listen (the first waiter of a process, while
 /// it connects) before it polls instead.

@@ -62,6 +62,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "the transactional claim after a purge deleted the record it waited for",
         include_str!("../../migrations/0009_claim_tx_after_a_purge.sql"),
     ),
+    (
+        10,
+        "the functions resolve names in their own schema",
+        include_str!("../../migrations/0010_pinned_search_path.sql"),
+    ),
 ];
 
 /// The advisory lock taken while migrating, so that app instances starting together apply
@@ -92,13 +97,19 @@ const MIGRATION_LOCK: i64 = 0x746f_7769_6465_6d31;
 /// The SQL is in the crate's `migrations/` folder for those who apply migrations with their
 /// own tool.
 ///
+/// The store's functions run with `search_path = pg_catalog, <their schema>, pg_temp`: an
+/// application schema ahead on the connection's path (a table named like the store's, a
+/// `now()` of its own) cannot change what they read or write. The store's own statements name
+/// its tables and functions unqualified, so its schema must be on the connection's path.
+///
 /// # Round trips and clocks
 ///
 /// With the default [`ClaimStrategy::Combined`], a replay costs one statement and a first
 /// request two (claim, complete), plus one renewal per third of the lease for handlers that
 /// run longer than that; [`ClaimStrategy`] trades these counts against what each statement
-/// costs the database. Every time (leases, expiry) is computed by the database with `now()`,
-/// so app instances with skewed clocks agree.
+/// costs the database. Every time (leases, expiry) is computed by the database, through the
+/// function `tower_idempotency_now()` (`pg_catalog.now()`), so app instances with skewed
+/// clocks agree. A test may replace that one function to move the store's clock.
 ///
 /// # Poolers and bounds
 ///
@@ -653,7 +664,7 @@ const PURGE: &str = "
 DELETE FROM tower_idempotency_keys
  WHERE ctid = ANY (ARRAY(
        SELECT ctid FROM tower_idempotency_keys
-        WHERE expires_at <= now()
+        WHERE expires_at <= tower_idempotency_now()
         ORDER BY expires_at
         LIMIT $1
           FOR UPDATE SKIP LOCKED))";
