@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, Method, Response, request::Parts};
+use http::{HeaderMap, HeaderName, Method, Response, StatusCode, request::Parts};
 use sha2::{Digest, Sha256};
 use tower_layer::Layer;
 
@@ -34,6 +34,7 @@ pub(crate) enum KeySource {
     Fn(Arc<KeyFn>),
 }
 type RejectionFn = dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync;
+type StoreWhenFn = dyn Fn(StatusCode, &HeaderMap) -> bool + Send + Sync;
 
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -46,6 +47,8 @@ pub(crate) struct Config {
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
     pub(crate) store_server_errors: bool,
+    /// Which answers are stored, when the user said ([`IdempotencyLayer::with_store_when`]).
+    pub(crate) store_when: Option<Arc<StoreWhenFn>>,
     pub(crate) keep_set_cookie: bool,
     pub(crate) replayed_headers: ReplayedHeaders,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
@@ -76,6 +79,7 @@ impl Default for Config {
             max_request_body: 1024 * 1024,
             max_response_body: 1024 * 1024,
             store_server_errors: false,
+            store_when: None,
             keep_set_cookie: false,
             replayed_headers: ReplayedHeaders::default(),
             fingerprint_headers: Vec::new(),
@@ -107,6 +111,19 @@ impl Config {
         }
     }
 
+    /// Whether the handler's answer is stored (and replayed to retries), or the key released
+    /// so that a retry runs the handler again.
+    pub(crate) fn stores(&self, status: StatusCode, headers: &HeaderMap) -> bool {
+        match &self.store_when {
+            Some(f) => f(status, headers),
+            None if status.is_server_error() => self.store_server_errors,
+            None => !matches!(
+                status,
+                StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_MANY_REQUESTS
+            ),
+        }
+    }
+
     pub(crate) fn reject(&self, rejection: &Rejection) -> Response<Bytes> {
         match &self.rejection {
             Some(f) => f(rejection),
@@ -133,6 +150,7 @@ impl fmt::Debug for Config {
             .field("max_request_body", &self.max_request_body)
             .field("max_response_body", &self.max_response_body)
             .field("store_server_errors", &self.store_server_errors)
+            .field("store_when", &self.store_when.is_some())
             .field("keep_set_cookie", &self.keep_set_cookie)
             .field("replayed_headers", &self.replayed_headers)
             .field("fingerprint_headers", &self.fingerprint_headers)
@@ -337,9 +355,36 @@ impl<St> IdempotencyLayer<St> {
 
     /// Whether `5xx` answers are stored and replayed (default `false`: the key is released,
     /// so a retry runs the handler again — the handler failed, and retrying is what the client
-    /// should do).
+    /// should do). Ignored once [`with_store_when`](Self::with_store_when) decides.
     pub fn with_store_server_errors(self, store: bool) -> Self {
         self.with(|c| c.store_server_errors = store)
+    }
+
+    /// Which answers are stored and replayed to retries, decided on the status and headers the
+    /// handler answered with. An answer not stored **releases the key**: the client gets it,
+    /// and a retry runs the handler again (in transactional mode, its writes are rolled back,
+    /// as for a `5xx`).
+    ///
+    /// By default every `2xx`, `3xx` and `4xx` answer is stored except `408 Request Timeout`
+    /// and `429 Too Many Requests`, which say "not now" rather than "no": stored, a client
+    /// rate-limited once would be rate-limited on every retry for the whole TTL. `5xx` answers
+    /// are not stored ([`with_store_server_errors`](Self::with_store_server_errors)). A
+    /// predicate given here replaces that whole rule, `5xx` included.
+    ///
+    /// ```
+    /// use http::{HeaderMap, StatusCode};
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // Store successes only: every failure, 4xx included, may be retried.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_store_when(|status: StatusCode, _: &HeaderMap| status.is_success());
+    /// # let _ = layer;
+    /// ```
+    pub fn with_store_when<F>(self, store: F) -> Self
+    where
+        F: Fn(StatusCode, &HeaderMap) -> bool + Send + Sync + 'static,
+    {
+        self.with(|c| c.store_when = Some(Arc::new(store)))
     }
 
     /// Whether `Set-Cookie` headers are stored and replayed (default `false`; see

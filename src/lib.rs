@@ -69,10 +69,13 @@
 //! | completed | the stored status, headers and body replayed with `Idempotent-Replayed: true`; handler not run |
 //! | any, with another fingerprint | `422 Unprocessable Content`; handler not run; record unchanged |
 //!
-//! When the handler answers, the layer stores its answer (2xx, 3xx and 4xx; 5xx only with
-//! [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors)) and the key
-//! becomes *completed* for the TTL. A `5xx`, a handler error or a panic **releases** the key,
-//! so a retry runs the handler again (the panic goes on in the response future).
+//! When the handler answers, the layer stores its answer (2xx, 3xx and 4xx but `408` and
+//! `429`; 5xx only with
+//! [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors); any rule with
+//! [`with_store_when`](IdempotencyLayer::with_store_when)) and the key becomes *completed* for
+//! the TTL. An answer not stored (a `5xx`, a `408` or `429`), a handler error or a panic
+//! **releases** the key, so a retry runs the handler again (the panic goes on in the response
+//! future).
 //!
 //! A keyed request runs in a Tokio task of its own: once its key is claimed, the handler
 //! **runs to its end even if the client goes away** (the response future is dropped), and
@@ -180,6 +183,7 @@
 //! | [`with_max_request_body`](IdempotencyLayer::with_max_request_body) | 1 MiB |
 //! | [`with_max_response_body`](IdempotencyLayer::with_max_response_body) | 1 MiB |
 //! | [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors) | `false` |
+//! | [`with_store_when`](IdempotencyLayer::with_store_when) | every answer but `408`, `429` and `5xx` |
 //! | [`with_replayed_set_cookie`](IdempotencyLayer::with_replayed_set_cookie) | `false` |
 //! | [`with_fingerprint_headers`](IdempotencyLayer::with_fingerprint_headers) | none |
 //! | [`with_json_fingerprint`](IdempotencyLayer::with_json_fingerprint) (feature `json`) / [`with_fingerprint_fn`](IdempotencyLayer::with_fingerprint_fn) | the raw bytes of the body |

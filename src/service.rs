@@ -554,10 +554,11 @@ where
 
 /// Reads the handler's answer: the response for the client, and what to store of it.
 ///
-/// Nothing is stored (`None`) for a `5xx` (unless configured otherwise) and for a body that
-/// failed: those release the key instead.
+/// Nothing is stored (`None`) for an answer the layer does not store ([`Config::stores`]: by
+/// default a `5xx`, `408` and `429`) and for a body that failed: those release the key
+/// instead.
 pub(crate) fn to_store<B: Body>(config: &Config, response: Response<B>) -> ToStore<B> {
-    if response.status().is_server_error() && !config.store_server_errors {
+    if !config.stores(response.status(), response.headers()) {
         return ToStore(Some(Answer::Unstored(response)));
     }
     let (parts, body) = response.into_parts();

@@ -388,6 +388,50 @@ async fn client_errors_are_stored<F: Fixture>(fx: &F) {
     assert_eq!(calls.get("/bad"), 1);
 }
 
+/// `429` and `408` say "not now", not "no": they are not stored, the key is released, and
+/// the retry runs the handler, whose answer is then stored and replayed.
+async fn rate_limited_and_timed_out_answers_are_not_stored<F: Fixture>(fx: &F) {
+    let calls = Calls::default();
+    let app = build(layer(fx.store()), &calls);
+    for (path, status) in [("/limited", 429), ("/timeout", 408)] {
+        let key = &path[1..];
+        let first = app(req("POST", path, Some(key), "b")).await;
+        assert_eq!(first.status, status, "{path}");
+        assert!(!first.replayed(), "{path}");
+        let retry = app(req("POST", path, Some(key), "b")).await;
+        assert_eq!(retry.status, 201, "{path}: {}", retry.text());
+        assert!(!retry.replayed(), "{path}: the retry ran the handler");
+        let again = app(req("POST", path, Some(key), "b")).await;
+        assert!(again.replayed(), "{path}");
+        assert_eq!(again.body, retry.body, "{path}");
+        assert_eq!(calls.get(path), 2, "{path}");
+    }
+}
+
+/// `with_store_when` decides which answers are stored: here successes only, so a `400` is
+/// not stored and its retry runs the handler again; a success is stored.
+async fn with_store_when_decides_which_answers_are_stored<F: Fixture>(fx: &F) {
+    let calls = Calls::default();
+    let app = build(
+        layer(fx.store())
+            .with_store_when(|status: StatusCode, _: &http::HeaderMap| status.is_success()),
+        &calls,
+    );
+    let first = app(req("POST", "/bad", Some("k"), "")).await;
+    assert_eq!(first.status, 400);
+    let retry = app(req("POST", "/bad", Some("k"), "")).await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (StatusCode::BAD_REQUEST, false)
+    );
+    assert_eq!(calls.get("/bad"), 2);
+    let ok = app(req("POST", "/pay", Some("k2"), "")).await;
+    assert_eq!(ok.status, 201);
+    let again = app(req("POST", "/pay", Some("k2"), "")).await;
+    assert!(again.replayed());
+    assert_eq!(calls.get("/pay"), 1);
+}
+
 async fn handler_panic_releases_the_key<F: Fixture>(fx: &F) {
     let calls = Calls::default();
     let svc = layer(fx.store()).layer(support::handler(calls.clone()));
@@ -1106,6 +1150,8 @@ suite!(
     concurrent_repeat_is_409_with_retry_after,
     server_errors_release_the_key,
     client_errors_are_stored,
+    rate_limited_and_timed_out_answers_are_not_stored,
+    with_store_when_decides_which_answers_are_stored,
     handler_panic_releases_the_key,
     service_error_releases_the_key,
     dropped_request_releases_the_key,

@@ -90,6 +90,7 @@ impl Fx {
                 let status = match path.as_str() {
                     "/fail" => StatusCode::INTERNAL_SERVER_ERROR,
                     "/bad" => StatusCode::BAD_REQUEST,
+                    "/limited" => StatusCode::TOO_MANY_REQUESTS,
                     "/error" => return Err(std::io::Error::other("handler error")),
                     "/panic" => panic!("handler panicked on purpose"),
                     "/slow" => {
@@ -191,6 +192,22 @@ async fn server_error_handler_error_and_panic_roll_everything_back() {
     // (A different path from the panicking request: the key was never stored, so no 422.)
     assert_eq!(retry.status, 201);
     assert_eq!(fx.payments().await, 1);
+    fx.cleanup().await;
+}
+
+/// A `429` is not stored: like a `5xx` it rolls the handler's writes back and frees the key,
+/// so the retry runs the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_answer_rolls_back_and_is_not_stored() {
+    let fx = Fx::new().await;
+    let app = fx.app();
+    for _ in 0..2 {
+        let answer = app(req("POST", "/limited", Some("k"), "b")).await;
+        assert_eq!(answer.status, 429, "{}", answer.text());
+        assert!(!answer.replayed());
+    }
+    assert_eq!(fx.payments().await, 0, "both runs' writes were rolled back");
+    assert_eq!(fx.keys().await, 0, "nothing stored");
     fx.cleanup().await;
 }
 

@@ -308,6 +308,7 @@ impl Calls {
 ///
 /// - `/slow?ms=N`: sleeps N ms, then answers like `/ok`;
 /// - `/fail`: `500`; `/bad`: `400`; `/panic`: panics; `/error`: a service error;
+/// - `/limited`, `/timeout`: `429`, `408` on their first call, then like anything else;
 /// - `/big?n=N`: `200` with N bytes, streamed in 1 KiB chunks;
 /// - `/key`: `200` with the key the layer inserted into the extensions;
 /// - anything else: `201` echoing the method, body and call count, with
@@ -354,6 +355,12 @@ pub fn handler(
                 "/slow" => tokio::time::sleep(Duration::from_millis(num("ms"))).await,
                 "/fail" => return Ok(full(StatusCode::INTERNAL_SERVER_ERROR, "boom".into())),
                 "/bad" => return Ok(full(StatusCode::BAD_REQUEST, format!("bad #{n}"))),
+                "/limited" if n == 1 => {
+                    return Ok(full(StatusCode::TOO_MANY_REQUESTS, "slow down".into()));
+                }
+                "/timeout" if n == 1 => {
+                    return Ok(full(StatusCode::REQUEST_TIMEOUT, "too slow".into()));
+                }
                 "/panic" => panic!("handler panicked on purpose"),
                 "/error" => return Err(std::io::Error::other("service error")),
                 "/key" => return Ok(full(StatusCode::OK, key.unwrap_or_default())),
