@@ -140,8 +140,8 @@ use tower::ServiceExt as _;
 use tower_idempotency::RedisStore;
 use tower_idempotency::client::{IdempotentClient, IdempotentClientLayer, ReplayBody};
 use tower_idempotency::{
-    IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, IdempotentTx, MemoryStore, Mode,
-    PostgresStore, TxConn, spawn_purge_task,
+    ConfigError, IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, IdempotentTx, MemoryStore,
+    Mode, PostgresStore, TxConn, spawn_purge_task,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -316,24 +316,24 @@ async fn serve(config: Config) -> Result<(), BoxError> {
                 .await
                 .map_err(|e| format!("cannot create the idempotency tables: {e}"))?;
             // One table for every layer, so one purge task.
-            let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH);
+            let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH)?;
             // Transactional mode: each layer opens its transactions on its service's pool.
             let provider_store = PostgresStore::new(provider.clone())
                 .with_statement_timeout(config.store_timeout)
                 .transactional();
-            let router = app(&config, &storage, store.transactional(), provider_store);
+            let router = app(&config, &storage, store.transactional(), provider_store)?;
             (router, purge)
         }
         _ => match &config.redis_url {
             Some(url) if config.idempotency => {
                 let store = redis_store(url, &config).await?;
-                let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH);
-                (app(&config, &storage, store.clone(), store), purge)
+                let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH)?;
+                (app(&config, &storage, store.clone(), store)?, purge)
             }
             _ => {
                 let store = MemoryStore::new();
-                let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH);
-                (app(&config, &storage, store.clone(), store), purge)
+                let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH)?;
+                (app(&config, &storage, store.clone(), store)?, purge)
             }
         },
     };
@@ -487,18 +487,21 @@ fn app<M: Mode>(
     storage: &Storage,
     payments_store: M,
     provider_store: M,
-) -> Router {
+) -> Result<Router, ConfigError> {
     // The settings from the environment, common to the three layers.
-    let layer = |store: &M| {
-        config.idempotency.then(|| {
+    let layer = |store: &M| -> Result<Option<IdempotencyLayer<M>>, ConfigError> {
+        if !config.idempotency {
+            return Ok(None);
+        }
+        Ok(Some(
             IdempotencyLayer::new(store.clone())
-                .with_ttl(config.ttl)
+                .with_ttl(config.ttl)?
                 .with_lease(config.lease)
                 .with_store_timeout(config.store_timeout)
                 .with_max_request_body(config.max_body_bytes)
                 // Zero (the default) leaves waiting off: a duplicate gets 409 at once.
-                .with_wait_for_completion(config.wait)
-        })
+                .with_wait_for_completion(config.wait),
+        ))
     };
 
     // The payment provider. Like Stripe with connected accounts, it scopes keys per tenant
@@ -508,7 +511,7 @@ fn app<M: Mode>(
             "/provider/charges",
             post(provider_charge).get(provider_charge_count),
         ),
-        layer(&provider_store)
+        layer(&provider_store)?
             .map(|l| l.with_scope(|parts| Some(format!("provider:{}", tenant_of(parts))))),
     )
     // `route_layer`s wrap the ones added before them: authentication runs first, so the
@@ -524,7 +527,7 @@ fn app<M: Mode>(
         Router::new()
             .route("/payments", post(create_payment))
             .route("/orders/{order_id}", patch(update_order).get(get_order)),
-        layer(&payments_store).map(|l| {
+        layer(&payments_store)?.map(|l| {
             l.with_scope(|parts| match tenant_of(parts) {
                 "" => None, // the anonymous tenant: the shared scope
                 tenant => Some(format!("tenant:{tenant}")),
@@ -548,19 +551,19 @@ fn app<M: Mode>(
             "/webhooks/provider",
             post(receive_webhook).get(webhooks_processed),
         ),
-        layer(&payments_store).map(|l| {
+        layer(&payments_store)?.map(|l| {
             l.with_header(HeaderName::from_static("webhook-id"))
                 .with_scope(|_| Some("webhooks:provider".to_owned()))
         }),
     )
     .with_state(storage.payments.clone());
 
-    Router::new()
+    Ok(Router::new()
         .merge(payments)
         .merge(provider)
         .merge(webhooks)
         // Bounds what axum's extractors read, so `IDEMPOTENCY=off` answers 413 alike.
-        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .layer(DefaultBodyLimit::max(config.max_body_bytes)))
 }
 
 /// Fingerprints the JSON bodies of `POST /payments` and `PATCH /orders/{id}` by their

@@ -1,4 +1,4 @@
-//! Store errors.
+//! Store errors, and settings refused where they are given.
 
 use std::error::Error as StdError;
 
@@ -37,6 +37,32 @@ pub enum StoreError {
     /// [`RedisStore::check_eviction_policy`](crate::RedisStore::check_eviction_policy)).
     #[error("idempotency store is misconfigured: {0}")]
     Misconfigured(String),
+}
+
+/// A setting refused where it was given: it would have turned the layer's protection off, or
+/// made a task fail later where nobody looks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A time to live of zero ([`with_ttl`](crate::IdempotencyLayer::with_ttl)): every
+    /// answer would be forgotten as it is stored, and every retry would run the handler again.
+    #[error("the idempotency TTL must be longer than zero: with zero no retry is ever replayed")]
+    ZeroTtl,
+    /// No method to cover ([`with_methods`](crate::IdempotencyLayer::with_methods)): every
+    /// request would pass through unprotected.
+    #[error("the idempotency layer must cover at least one method")]
+    NoMethods,
+    /// A purge period of zero ([`spawn_purge_task`](crate::store::spawn_purge_task)).
+    #[error("the purge period must be longer than zero")]
+    ZeroPurgePeriod,
+    /// A purge batch of zero records ([`spawn_purge_task`](crate::store::spawn_purge_task)):
+    /// nothing would ever be purged.
+    #[error("the purge batch must hold at least one record")]
+    ZeroPurgeBatch,
+    /// [`spawn_purge_task`](crate::store::spawn_purge_task) was called outside a Tokio
+    /// runtime.
+    #[error("the purge task needs a Tokio runtime (with its time driver enabled)")]
+    NoRuntime,
 }
 
 impl StoreError {

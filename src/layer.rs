@@ -10,6 +10,7 @@ use http::{HeaderMap, HeaderName, Method, Response, StatusCode, request::Parts};
 use sha2::{Digest, Sha256};
 use tower_layer::Layer;
 
+use crate::error::ConfigError;
 use crate::fingerprint::{self, Fingerprint};
 use crate::rejection::Rejection;
 use crate::response::ReplayedHeaders;
@@ -178,13 +179,16 @@ impl fmt::Debug for Config {
 /// #[derive(Clone)]
 /// struct Account { id: String }
 ///
+/// # fn main() -> Result<(), tower_idempotency::ConfigError> {
 /// let layer = IdempotencyLayer::new(MemoryStore::new())
 ///     // Keys are per account: no client can replay another's answer.
 ///     .with_scope(|parts| parts.extensions.get::<Account>().map(|a| a.id.clone()))
 ///     .with_scope_required(true)
-///     .with_ttl(Duration::from_secs(24 * 3600))
+///     // Settings that could switch the protection off are refused where they are given.
+///     .with_ttl(Duration::from_secs(24 * 3600))?
 ///     .with_lease(Duration::from_secs(30));
 /// # let _ = layer;
+/// # Ok(()) }
 /// ```
 ///
 /// See the [crate documentation](crate) for the behaviour and every setting's default.
@@ -280,8 +284,19 @@ impl<St> IdempotencyLayer<St> {
 
     /// The methods the layer covers. Default `POST` and `PATCH`; requests with other methods
     /// pass through untouched, without allocation or store access.
-    pub fn with_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.with(|c| c.methods = methods.into_iter().collect())
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::NoMethods`] for an empty list: the layer would protect nothing.
+    pub fn with_methods(
+        self,
+        methods: impl IntoIterator<Item = Method>,
+    ) -> Result<Self, ConfigError> {
+        let methods: Vec<Method> = methods.into_iter().collect();
+        if methods.is_empty() {
+            return Err(ConfigError::NoMethods);
+        }
+        Ok(self.with(|c| c.methods = methods))
     }
 
     /// Whether a covered request without a key is rejected with `400` (default `true`) or
@@ -314,8 +329,15 @@ impl<St> IdempotencyLayer<St> {
     /// never forgotten while its lease holds, whatever the TTL: a handler that runs longer
     /// than the TTL (or a TTL shorter than the [lease](Self::with_lease)) still runs once,
     /// and its answer is then replayed for the TTL.
-    pub fn with_ttl(self, ttl: Duration) -> Self {
-        self.with(|c| c.ttl = ttl)
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::ZeroTtl`] for a TTL of zero: no answer would ever be replayed.
+    pub fn with_ttl(self, ttl: Duration) -> Result<Self, ConfigError> {
+        if ttl.is_zero() {
+            return Err(ConfigError::ZeroTtl);
+        }
+        Ok(self.with(|c| c.ttl = ttl))
     }
 
     /// The longest the layer waits for one store call (default 5 s): a claim, the storing of
@@ -349,6 +371,9 @@ impl<St> IdempotencyLayer<St> {
     /// handler streams it). Its key is completed with the status and headers only, so a
     /// repeat never runs the handler again: it is answered `409` with a problem document of
     /// type `response-not-stored` that names the original status.
+    ///
+    /// `0` keeps no body: an answer with an empty body is replayed whole, and any other
+    /// answer's retry gets that `409` (the handler never runs twice).
     pub fn with_max_response_body(self, bytes: usize) -> Self {
         self.with(|c| c.max_response_body = bytes)
     }

@@ -311,7 +311,7 @@ pub mod transactional;
 mod wait;
 
 pub use client::{ClientError, IdempotentClient, IdempotentClientLayer};
-pub use error::{BoxError, StoreError};
+pub use error::{BoxError, ConfigError, StoreError};
 #[cfg(feature = "axum")]
 pub use extract::MissingIdempotencyKey;
 #[cfg(all(feature = "axum", feature = "postgres"))]

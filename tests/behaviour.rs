@@ -551,7 +551,10 @@ async fn uncovered_methods_pass_through<F: Fixture>(fx: &F) {
     // No key needed either.
     assert_eq!(app(req("GET", "/thing", None, "")).await.status, 201);
 
-    let put_too = build(layer(fx.store()).with_methods([Method::PUT]), &calls);
+    let put_too = build(
+        layer(fx.store()).with_methods([Method::PUT]).unwrap(),
+        &calls,
+    );
     put_too(req("PUT", "/put", Some("k"), "")).await;
     assert!(put_too(req("PUT", "/put", Some("k"), "")).await.replayed());
     assert_eq!(calls.get("/put"), 1);
@@ -580,7 +583,9 @@ async fn keys_are_scoped<F: Fixture>(fx: &F) {
 async fn expired_keys_count_as_new<F: Fixture>(fx: &F) {
     let calls = Calls::default();
     let app = build(
-        layer(fx.store()).with_ttl(Duration::from_millis(600)),
+        layer(fx.store())
+            .with_ttl(Duration::from_millis(600))
+            .unwrap(),
         &calls,
     );
     assert_eq!(app(req("POST", "/pay", Some("k"), "1")).await.status, 201);
@@ -731,7 +736,9 @@ async fn slow_handler_outliving_the_ttl_runs_once_and_is_replayed<F: Fixture>(fx
     // The TTL is shorter than the handler takes (the lease is the default 30 s): the record
     // must not expire while the handler runs, and its answer must be stored.
     let app = build(
-        layer(fx.store()).with_ttl(Duration::from_millis(500)),
+        layer(fx.store())
+            .with_ttl(Duration::from_millis(500))
+            .unwrap(),
         &calls,
     );
     let first = tokio::spawn(app(req("POST", "/slow?ms=2000", Some("k"), "b")));
@@ -800,7 +807,8 @@ async fn renewals_keep_a_key_whose_ttl_is_shorter_than_the_lease<F: Fixture>(fx:
     let app = build(
         layer(fx.store())
             .with_lease(Duration::from_millis(600))
-            .with_ttl(Duration::from_millis(100)),
+            .with_ttl(Duration::from_millis(100))
+            .unwrap(),
         &calls,
     );
     let first = tokio::spawn(app(req("POST", "/slow?ms=2400", Some("k"), "b")));
@@ -925,6 +933,45 @@ async fn oversized_response_reaches_the_client_and_is_never_rerun<F: Fixture>(fx
     let at_again = app(req("POST", "/big?n=4096", Some("k2"), "")).await;
     assert!(at_again.replayed());
     assert_eq!(at_again.body, at.body);
+}
+
+/// `with_max_response_body(0)` means what the docs say: no body is kept. An answer with an
+/// empty body is replayed; any other is delivered once and its retry gets `409`
+/// `response-not-stored`, never a second run.
+async fn a_response_body_limit_of_zero_keeps_status_and_headers_only<F: Fixture>(fx: &F) {
+    let calls = Calls::default();
+    let app = build(layer(fx.store()).with_max_response_body(0), &calls);
+    let first = app(req("POST", "/big?n=10", Some("k"), "")).await;
+    assert_eq!((first.status, first.body.len()), (StatusCode::OK, 10));
+    let again = app(req("POST", "/big?n=10", Some("k"), "")).await;
+    again.assert_problem(409, "response-not-stored");
+    assert_eq!(calls.get("/big"), 1);
+    let empty = app(req("POST", "/big?n=0", Some("k2"), "")).await;
+    assert_eq!(empty.status, 200);
+    let empty_again = app(req("POST", "/big?n=0", Some("k2"), "")).await;
+    assert!(empty_again.replayed(), "{}", empty_again.text());
+}
+
+/// Settings that would switch the protection off are refused where they are given.
+async fn settings_that_would_turn_the_layer_off_are_refused<F: Fixture>(fx: &F) {
+    use tower_idempotency::ConfigError;
+    assert_eq!(
+        layer(fx.store()).with_ttl(Duration::ZERO).err(),
+        Some(ConfigError::ZeroTtl)
+    );
+    assert_eq!(
+        layer(fx.store()).with_methods([]).err(),
+        Some(ConfigError::NoMethods)
+    );
+    let store = fx.store();
+    assert_eq!(
+        tower_idempotency::spawn_purge_task(store.clone(), Duration::ZERO, 10).unwrap_err(),
+        ConfigError::ZeroPurgePeriod
+    );
+    assert_eq!(
+        tower_idempotency::spawn_purge_task(store, Duration::from_secs(1), 0).unwrap_err(),
+        ConfigError::ZeroPurgeBatch
+    );
 }
 
 async fn handler_sees_the_key<F: Fixture>(fx: &F) {
@@ -1150,6 +1197,8 @@ suite!(
     concurrent_repeat_is_409_with_retry_after,
     server_errors_release_the_key,
     client_errors_are_stored,
+    a_response_body_limit_of_zero_keeps_status_and_headers_only,
+    settings_that_would_turn_the_layer_off_are_refused,
     rate_limited_and_timed_out_answers_are_not_stored,
     with_store_when_decides_which_answers_are_stored,
     handler_panic_releases_the_key,

@@ -35,6 +35,7 @@ async fn direct(schema: &PgSchema) -> PgConnection {
 async fn expired_record(store: &PostgresStore) {
     let svc = IdempotencyLayer::new(store.clone())
         .with_ttl(Duration::from_millis(1))
+        .unwrap()
         .layer(support::handler(Calls::default()));
     let first = read(
         svc.oneshot(req("POST", "/pay", Some("k"), "b"))

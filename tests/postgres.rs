@@ -160,6 +160,7 @@ async fn records_store_headers_and_times_from_the_database_clock() {
     let calls = Calls::default();
     let svc = IdempotencyLayer::new(store.clone())
         .with_ttl(Duration::from_secs(3600))
+        .unwrap()
         .layer(support::handler(calls.clone()));
     let a = read(
         svc.oneshot(req("POST", "/pay", Some("k"), "b"))

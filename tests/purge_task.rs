@@ -27,11 +27,19 @@ async fn purge_task_deletes_expired_keys_periodically() {
             ClaimOutcome::Acquired { .. }
         ));
     }
-    let task = spawn_purge_task(store.clone(), Duration::from_secs(5), 2);
+    let task = spawn_purge_task(store.clone(), Duration::from_secs(5), 2).unwrap();
     tokio::time::sleep(Duration::from_secs(12)).await;
     // Ticks at 0, 5 and 10 s: the one at 10 s deleted the key that expired at 10 s only.
     assert_eq!(store.len(), 4);
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(store.len(), 0);
     task.abort();
+}
+
+/// Outside a Tokio runtime the purge task is refused at the call, not started as a task that
+/// could not run.
+#[test]
+fn outside_a_runtime_the_purge_task_is_refused() {
+    let err = spawn_purge_task(MemoryStore::new(), Duration::from_secs(1), 10).unwrap_err();
+    assert_eq!(err, tower_idempotency::ConfigError::NoRuntime);
 }

@@ -414,7 +414,7 @@ async fn a_scope_with_a_nul_is_stored_as_its_digest() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_record_is_replaced() {
     let fx = Fx::new().await;
-    let app = fx.app_with(|layer| layer.with_ttl(Duration::from_millis(300)));
+    let app = fx.app_with(|layer| layer.with_ttl(Duration::from_millis(300)).unwrap());
     let first = app(req("POST", "/pay", Some("k"), "b")).await;
     assert_eq!(first.status, 201);
     assert!(app(req("POST", "/pay", Some("k"), "b")).await.replayed());
@@ -438,7 +438,7 @@ async fn an_expired_record_is_replaced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_record_purged_during_its_takeover_is_claimed_anew() {
     let fx = Fx::new().await;
-    let app = fx.app_with(|layer| layer.with_ttl(Duration::from_millis(300)));
+    let app = fx.app_with(|layer| layer.with_ttl(Duration::from_millis(300)).unwrap());
     assert_eq!(app(req("POST", "/pay", Some("k"), "b")).await.status, 201);
     tokio::time::sleep(Duration::from_millis(400)).await;
     // The purge's batch, first half: the expired record locked.
@@ -491,7 +491,7 @@ async fn an_expired_record_purged_during_its_takeover_is_claimed_anew() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_slower_than_the_ttl_leaves_a_record_that_lives_the_ttl() {
     let fx = Fx::new().await;
-    let app = fx.app_with(|layer| layer.with_ttl(Duration::from_millis(800)));
+    let app = fx.app_with(|layer| layer.with_ttl(Duration::from_millis(800)).unwrap());
     let first = tokio::spawn({
         let app = app.clone();
         async move { app(req("POST", "/slow", Some("k"), "b")).await }

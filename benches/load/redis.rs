@@ -153,7 +153,7 @@ async fn sides() -> Result<(Router, Hand), BoxError> {
         .with_grace(KEEP);
     let layer = Router::new()
         .route(PATH, post(create))
-        .layer(IdempotencyLayer::new(store).with_ttl(KEEP));
+        .layer(IdempotencyLayer::new(store).with_ttl(KEEP).unwrap());
     let hand = Hand {
         conn,
         prefix: run_prefix("hand").into(),
@@ -279,7 +279,7 @@ async fn build_redis_wait(_ctx: &Ctx) -> Result<Built, BoxError> {
     let router = |store: RedisStore| {
         Router::new()
             .route(PATH, post(create))
-            .layer(IdempotencyLayer::new(store).with_ttl(KEEP))
+            .layer(IdempotencyLayer::new(store).with_ttl(KEEP).unwrap())
     };
     let layer = router(
         RedisStore::new(conn.clone())

@@ -32,7 +32,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use crate::error::StoreError;
+use crate::error::{ConfigError, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::response::StoredResponse;
@@ -194,13 +194,25 @@ pub trait Store: Clone + Send + Sync + 'static {
 /// `batch_size`. Failures are logged and retried at the next tick. Abort the returned handle
 /// to stop it.
 ///
-/// Must be called from within a Tokio runtime.
+/// # Errors
+///
+/// Refused where it is called, not in a task that would stop purging unseen:
+/// [`ConfigError::ZeroPurgePeriod`], [`ConfigError::ZeroPurgeBatch`], and
+/// [`ConfigError::NoRuntime`] outside a Tokio runtime. (The runtime must have its time
+/// driver enabled, as `#[tokio::main]` and `Runtime::new` do.)
 pub fn spawn_purge_task<St: Store>(
     store: St,
     every: Duration,
     batch_size: usize,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
+) -> Result<tokio::task::JoinHandle<()>, ConfigError> {
+    if every.is_zero() {
+        return Err(ConfigError::ZeroPurgePeriod);
+    }
+    if batch_size == 0 {
+        return Err(ConfigError::ZeroPurgeBatch);
+    }
+    let runtime = tokio::runtime::Handle::try_current().map_err(|_| ConfigError::NoRuntime)?;
+    Ok(runtime.spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -214,5 +226,5 @@ pub fn spawn_purge_task<St: Store>(
                 ),
             }
         }
-    })
+    }))
 }
