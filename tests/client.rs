@@ -29,7 +29,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use proxy::Proxy;
 use tower::{Layer as _, ServiceExt as _};
-use tower_idempotency::client::{ClientError, IdempotentClient, IdempotentClientLayer, ReplayBody};
+use tower_idempotency::client::{
+    ClientError, ConnectionErrors, IdempotentClient, IdempotentClientLayer, ReplayBody,
+};
 use tower_idempotency::{IdempotencyKey, IdempotencyLayer, MemoryStore};
 
 // ---------------------------------------------------------------------------------------------
@@ -364,18 +366,8 @@ async fn an_attempt_past_its_timeout_is_retried_with_the_same_key() {
 /// each request's arrival (in Tokio's time, paused in these tests) is recorded.
 fn scripted_service(
     answer: impl Fn(usize) -> http::Response<Body> + Clone + Send + Sync + 'static,
-) -> (
-    impl tower::Service<
-        http::Request<ReplayBody>,
-        Response = http::Response<Body>,
-        Error = Infallible,
-        Future = impl Send,
-    > + Clone
-    + Send
-    + 'static,
-    Arc<Mutex<Vec<tokio::time::Instant>>>,
-) {
-    let arrivals: Arc<Mutex<Vec<tokio::time::Instant>>> = Arc::default();
+) -> (Scripted, Arrivals) {
+    let arrivals: Arrivals = Arc::default();
     let seen = arrivals.clone();
     let svc = tower::service_fn(move |_: http::Request<ReplayBody>| {
         let n = {
@@ -386,8 +378,14 @@ fn scripted_service(
         let response = answer(n);
         async move { Ok::<_, Infallible>(response) }
     });
-    (svc, arrivals)
+    (tower::util::BoxCloneService::new(svc), arrivals)
 }
+
+type Scripted =
+    tower::util::BoxCloneService<http::Request<ReplayBody>, http::Response<Body>, Infallible>;
+
+/// When each request arrived, in Tokio's time.
+type Arrivals = Arc<Mutex<Vec<tokio::time::Instant>>>;
 
 fn answer(status: u16, retry_after: Option<&str>) -> http::Response<Body> {
     let mut response = http::Response::builder().status(status);
@@ -527,7 +525,7 @@ async fn the_server_layers_in_progress_409_is_retried_until_the_replay() {
             }),
         )
         .layer(IdempotencyLayer::new(MemoryStore::new()).with_shared_scope());
-    let arrivals: Arc<Mutex<Vec<tokio::time::Instant>>> = Arc::default();
+    let arrivals: Arrivals = Arc::default();
     let (seen, wake) = (arrivals.clone(), release.clone());
     let router = server.clone();
     let inner = tower::service_fn(move |request: http::Request<ReplayBody>| {
@@ -616,36 +614,27 @@ async fn an_invalid_uri_is_not_retried() {
     }
 }
 
+type Tcp = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
+type Connecting =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Tcp, std::io::Error>> + Send>>;
+
 /// A connector for hyper-util's client that fails every connection with `kind`, as a TLS
 /// connector reports a handshake it refused (`InvalidData` around the TLS library's error,
 /// as tokio-rustls does), or as TCP reports a refused connection; it counts the tries.
 fn failing_connector(
     kind: std::io::ErrorKind,
     connects: Arc<AtomicUsize>,
-) -> impl tower::Service<
-    http::Uri,
-    Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>,
-    Error = std::io::Error,
-    Future = std::pin::Pin<
-        Box<
-            dyn std::future::Future<
-                    Output = Result<hyper_util::rt::TokioIo<tokio::net::TcpStream>, std::io::Error>,
-                > + Send,
-        >,
-    >,
-> + Clone
+) -> impl tower::Service<http::Uri, Response = Tcp, Error = std::io::Error, Future = Connecting>
++ Clone
 + Send
 + Sync
 + 'static {
     tower::service_fn(move |_: http::Uri| {
         connects.fetch_add(1, Ordering::SeqCst);
-        let fut: std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>> =
-            Box::pin(async move {
-                Err(std::io::Error::new(
-                    kind,
-                    "invalid peer certificate: UnknownIssuer",
-                ))
-            });
+        let fut: Connecting =
+            Box::pin(
+                async move { Err(std::io::Error::new(kind, format!("connect failed: {kind}"))) },
+            );
         fut
     })
 }
@@ -687,6 +676,127 @@ async fn a_tls_failure_is_not_retried_and_a_refused_connection_is() {
         other => panic!("expected the inner error after 3 attempts: {other:?}"),
     }
     assert_eq!(connects.load(Ordering::SeqCst), 3);
+}
+
+/// The retried statuses are the layer's setting: here `500` is retried and `503` is not; an
+/// empty set retries no answer, and lost connections are still retried.
+#[tokio::test(start_paused = true)]
+async fn the_retried_statuses_are_configurable() {
+    let (svc, arrivals) = scripted_service(|n| match n {
+        0 => answer(500, None),
+        1 => answer(503, Some("1")),
+        _ => answer(201, None),
+    });
+    let only_500 = layer()
+        .with_retry_statuses([StatusCode::INTERNAL_SERVER_ERROR])
+        .unwrap();
+    let response = only_500.layer(svc).oneshot(keyed("k")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(arrivals.lock().unwrap().len(), 2, "500 retried, 503 not");
+
+    let (svc, arrivals) = scripted_service(|n| match n {
+        0 => answer(503, None),
+        _ => answer(201, None),
+    });
+    let none = layer().with_retry_statuses([]).unwrap();
+    let response = none.clone().layer(svc).oneshot(keyed("k")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(arrivals.lock().unwrap().len(), 1);
+
+    let resets = Arc::new(AtomicUsize::new(0));
+    let counted = resets.clone();
+    let svc = tower::service_fn(move |_: http::Request<ReplayBody>| {
+        let n = counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            if n == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+            }
+            Ok(answer(201, None))
+        }
+    });
+    let response = none.layer(svc).oneshot(keyed("k")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(resets.load(Ordering::SeqCst), 2);
+}
+
+/// Statuses that do not say a request failed are refused when the layer is configured, with
+/// the status named — never a panic, never a surprise at the first call.
+#[test]
+fn retry_statuses_other_than_4xx_and_5xx_are_refused_when_configured() {
+    for code in [100, 200, 201, 204, 301, 302, 304, 600, 999] {
+        let status = StatusCode::from_u16(code).unwrap();
+        let refused = layer().with_retry_statuses([StatusCode::SERVICE_UNAVAILABLE, status]);
+        let error = refused.unwrap_err();
+        assert_eq!(error.status(), status);
+        assert!(error.to_string().contains(&code.to_string()), "{error}");
+    }
+    assert!(layer().with_retry_statuses([]).is_ok());
+    assert!(
+        layer()
+            .with_retry_statuses([StatusCode::BAD_REQUEST, StatusCode::from_u16(599).unwrap()])
+            .is_ok()
+    );
+}
+
+/// A classifier of the caller's decides which errors are retried: here every connect error
+/// of hyper-util's client, the refused TLS handshake included (which the default does not
+/// retry), and never an invalid URI.
+#[tokio::test]
+async fn an_error_classifier_decides_which_errors_are_retried() {
+    let connects = Arc::new(AtomicUsize::new(0));
+    let tls = Client::builder(TokioExecutor::new()).build::<_, ReplayBody>(failing_connector(
+        std::io::ErrorKind::InvalidData,
+        connects.clone(),
+    ));
+    let every_connect = layer()
+        .with_max_attempts(3)
+        .with_error_classifier(|e: &hyper_util::client::legacy::Error| e.is_connect());
+    let client = every_connect.layer(tls);
+    match client
+        .clone()
+        .oneshot(post("127.0.0.1:1".parse().unwrap(), "{}"))
+        .await
+    {
+        Err(ClientError::Inner { attempts: 3, .. }) => {}
+        other => panic!("expected the inner error after 3 attempts: {other:?}"),
+    }
+    assert_eq!(connects.load(Ordering::SeqCst), 3);
+    let relative = http::Request::post("/charges")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    match client.oneshot(relative).await {
+        Err(ClientError::Inner { attempts: 1, .. }) => {}
+        other => panic!("expected the inner error after 1 attempt: {other:?}"),
+    }
+
+    // An inner service whose error is tower's `BoxError` (not a `std::error::Error`): the
+    // default classifier's test, applied by a closure.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let boxed = tower::service_fn(move |_: http::Request<ReplayBody>| {
+        let n = counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            match n {
+                0 => Err::<http::Response<Body>, tower_idempotency::BoxError>(
+                    std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into(),
+                ),
+                _ => Err("refused for good".into()),
+            }
+        }
+    });
+    let client = layer()
+        .with_error_classifier(|e: &tower_idempotency::BoxError| ConnectionErrors::matches(&**e))
+        .layer(boxed);
+    match client.oneshot(keyed("k")).await {
+        Err(ClientError::Inner {
+            attempts: 2,
+            source,
+        }) => {
+            assert_eq!(source.to_string(), "refused for good");
+        }
+        other => panic!("expected the second error after 2 attempts: {other:?}"),
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -797,7 +907,7 @@ fn stream_of<T: Unpin + Send + 'static>(
 #[tokio::test]
 async fn the_body_is_sent_again_byte_for_byte() {
     let (upstream, addr) =
-        Upstream::start([Step::Status(503, None), Step::Status(409, None)]).await;
+        Upstream::start([Step::Status(503, None), Step::Status(409, Some("0"))]).await;
     let client = client(layer());
     let chunks: [&'static [u8]; 3] = [b"{\"amount", b"_cents\": ", b"1999}\xff\x00"];
     let request = http::Request::post(format!("http://{addr}/charges"))
@@ -1044,22 +1154,20 @@ fn attempts_retries_and_outcomes_are_counted_without_keys() {
         .unwrap();
     metrics::with_local_recorder(&counters, || {
         runtime.block_on(async {
-            // The inner service answers 503, then 409, then fails, then 200; 503 after that.
+            // The inner service answers 503, then 409 in progress, then fails, then 200; 503
+            // after that.
             let calls = Arc::new(AtomicUsize::new(0));
             let svc = tower::service_fn(move |_: http::Request<ReplayBody>| {
                 let n = calls.fetch_add(1, Ordering::SeqCst);
                 async move {
-                    let status = match n {
-                        0 => 503,
-                        1 => 409,
-                        2 => return Err(std::io::Error::other("connection reset")),
-                        3 => 200,
-                        _ => 503,
+                    let (status, retry_after) = match n {
+                        0 => (503, None),
+                        1 => (409, Some("0")),
+                        2 => return Err(std::io::Error::from(std::io::ErrorKind::ConnectionReset)),
+                        3 => (200, None),
+                        _ => (503, None),
                     };
-                    Ok(http::Response::builder()
-                        .status(status)
-                        .body(Body::empty())
-                        .unwrap())
+                    Ok(answer(status, retry_after))
                 }
             });
             let client = layer().with_max_request_body(4).layer(svc.clone());
@@ -1079,12 +1187,23 @@ fn attempts_retries_and_outcomes_are_counted_without_keys() {
             assert!(matches!(too_large, Err(ClientError::BodyTooLarge { .. })));
             let exhausted = short.oneshot(request("{}")).await;
             assert_eq!(exhausted.unwrap().status(), 503);
+            // An error that is not transient: one attempt, and the call fails.
+            let refused = tower::service_fn(|_: http::Request<ReplayBody>| async {
+                Err::<http::Response<Body>, _>(std::io::Error::from(
+                    std::io::ErrorKind::InvalidData,
+                ))
+            });
+            let failed = layer().layer(refused).oneshot(request("{}")).await;
+            assert!(matches!(
+                failed,
+                Err(ClientError::Inner { attempts: 1, .. })
+            ));
         });
     });
     let count = |name: &str| counters.get(name);
     assert_eq!(
         count("tower_idempotency_client_attempts_total{purpose=charge}"),
-        6
+        7
     );
     for (reason, n) in [("503", 2), ("409", 1), ("error", 1)] {
         assert_eq!(
@@ -1095,7 +1214,7 @@ fn attempts_retries_and_outcomes_are_counted_without_keys() {
             "{reason}"
         );
     }
-    for outcome in ["answered", "not_sent", "exhausted"] {
+    for outcome in ["answered", "not_sent", "exhausted", "failed"] {
         assert_eq!(
             count(&format!(
                 "tower_idempotency_client_calls_total{{purpose=charge,outcome={outcome}}}"
