@@ -29,7 +29,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use proxy::Proxy;
 use tower::{Layer as _, ServiceExt as _};
-use tower_idempotency::client::{ClientError, IdempotentClient, IdempotentClientLayer, ReplayBody};
+use tower_idempotency::client::{
+    ClientError, ConnectionErrors, IdempotentClient, IdempotentClientLayer, ReplayBody,
+};
 use tower_idempotency::{IdempotencyKey, IdempotencyLayer, MemoryStore};
 
 // ---------------------------------------------------------------------------------------------
@@ -360,6 +362,443 @@ async fn an_attempt_past_its_timeout_is_retried_with_the_same_key() {
     assert_eq!(keys[0], keys[1]);
 }
 
+/// A tower service standing in for a server: `answer(n)` makes the `n`th answer (0-based);
+/// each request's arrival (in Tokio's time, paused in these tests) is recorded.
+fn scripted_service(
+    answer: impl Fn(usize) -> http::Response<Body> + Clone + Send + Sync + 'static,
+) -> (Scripted, Arrivals) {
+    let arrivals: Arrivals = Arc::default();
+    let seen = arrivals.clone();
+    let svc = tower::service_fn(move |_: http::Request<ReplayBody>| {
+        let n = {
+            let mut seen = seen.lock().unwrap();
+            seen.push(tokio::time::Instant::now());
+            seen.len() - 1
+        };
+        let response = answer(n);
+        async move { Ok::<_, Infallible>(response) }
+    });
+    (tower::util::BoxCloneService::new(svc), arrivals)
+}
+
+type Scripted =
+    tower::util::BoxCloneService<http::Request<ReplayBody>, http::Response<Body>, Infallible>;
+
+/// When each request arrived, in Tokio's time.
+type Arrivals = Arc<Mutex<Vec<tokio::time::Instant>>>;
+
+fn answer(status: u16, retry_after: Option<&str>) -> http::Response<Body> {
+    let mut response = http::Response::builder().status(status);
+    if let Some(after) = retry_after {
+        response = response.header(header::RETRY_AFTER, after);
+    }
+    response.body(Body::empty()).unwrap()
+}
+
+fn keyed(key: &str) -> http::Request<Full<Bytes>> {
+    http::Request::post("/charges")
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap()
+}
+
+/// `at` as an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`), written here by hand so that the
+/// test does not share the parser's code.
+fn imf_fixdate(at: std::time::SystemTime) -> String {
+    const DAYS: [&str; 7] = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"];
+    const MONTHS: [&str; 12] = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let secs = at.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let weekday = DAYS[usize::try_from(days % 7).unwrap()];
+    // Days since 1970-01-01 to a civil date (H. Hinnant's `civil_from_days`).
+    let z = i64::try_from(days).unwrap() + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{weekday}, {day:02} {} {year} {:02}:{:02}:{:02} GMT",
+        MONTHS[usize::try_from(month - 1).unwrap()],
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[test]
+fn the_tests_date_formatter_writes_imf_fixdates() {
+    let at = std::time::UNIX_EPOCH + Duration::from_secs(784_111_777);
+    assert_eq!(imf_fixdate(at), "Sun, 06 Nov 1994 08:49:37 GMT");
+    let at = std::time::UNIX_EPOCH + Duration::from_secs(951_782_400);
+    assert_eq!(imf_fixdate(at), "Tue, 29 Feb 2000 00:00:00 GMT");
+}
+
+/// A `409` that does not say "later" is final: a handler's own conflict, for one. It is the
+/// call's answer, sent once.
+#[tokio::test(start_paused = true)]
+async fn a_409_without_retry_after_is_the_answer_and_not_sent_again() {
+    let (svc, arrivals) = scripted_service(|n| match n {
+        0 => answer(409, None),
+        _ => answer(201, None),
+    });
+    let response = layer().layer(svc).oneshot(keyed("k")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    assert_eq!(
+        arrivals.lock().unwrap().len(),
+        1,
+        "a final 409 was sent again"
+    );
+}
+
+/// The server layer in process, in front of a handler that counts its runs and answers a body
+/// larger than the layer stores: a repeat of the key is the layer's `409 response-not-stored`
+/// — final, the handler will not run again — and the client returns it after one attempt.
+#[tokio::test(start_paused = true)]
+async fn the_server_layers_response_not_stored_409_is_not_retried() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let server = Router::new()
+        .route(
+            "/charges",
+            routing::post(move || {
+                let runs = counted.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::CREATED, "a charge too large to store")
+                }
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .with_shared_scope()
+                .with_max_response_body(4),
+        );
+    let sent = Arc::new(AtomicUsize::new(0));
+    let counter = sent.clone();
+    let inner = tower::service_fn(move |request: http::Request<ReplayBody>| {
+        counter.fetch_add(1, Ordering::SeqCst);
+        server.clone().oneshot(request)
+    });
+    let client = layer().layer(inner);
+
+    let first = client.clone().oneshot(keyed("big")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let repeat = client.clone().oneshot(keyed("big")).await.unwrap();
+    assert_eq!(repeat.status(), StatusCode::CONFLICT);
+    assert!(repeat.headers().get(header::RETRY_AFTER).is_none());
+    let problem = repeat.into_body().collect().await.unwrap().to_bytes();
+    assert!(
+        String::from_utf8_lossy(&problem).contains("response-not-stored"),
+        "{problem:?}"
+    );
+    assert_eq!(
+        sent.load(Ordering::SeqCst),
+        2,
+        "the final 409 was sent again"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// The server layer's `409 request-in-progress` carries `Retry-After`: the client waits for
+/// it and sends the key again, and gets the first request's answer as a replay.
+#[tokio::test(start_paused = true)]
+async fn the_server_layers_in_progress_409_is_retried_until_the_replay() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(tokio::sync::Notify::new());
+    let (counted, released) = (runs.clone(), release.clone());
+    let server = Router::new()
+        .route(
+            "/charges",
+            routing::post(move || {
+                let (runs, release) = (counted.clone(), released.clone());
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    release.notified().await;
+                    (StatusCode::CREATED, "charged")
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(MemoryStore::new()).with_shared_scope());
+    let arrivals: Arrivals = Arc::default();
+    let (seen, wake) = (arrivals.clone(), release.clone());
+    let router = server.clone();
+    let inner = tower::service_fn(move |request: http::Request<ReplayBody>| {
+        let n = {
+            let mut seen = seen.lock().unwrap();
+            seen.push(tokio::time::Instant::now());
+            seen.len()
+        };
+        let (router, wake) = (router.clone(), wake.clone());
+        async move {
+            let response = router.oneshot(request).await;
+            // The first request finishes once the client was turned away once.
+            if n == 1 {
+                wake.notify_one();
+            }
+            response
+        }
+    });
+    let first = tokio::spawn(
+        server.oneshot(
+            http::Request::post("/charges")
+                .header("idempotency-key", "slow")
+                .body(Body::from("{}"))
+                .unwrap(),
+        ),
+    );
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+
+    let response = layer().layer(inner).oneshot(keyed("slow")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(response.headers()["idempotent-replayed"], "true");
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), 2);
+    assert!(arrivals[1] - arrivals[0] >= Duration::from_secs(1));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// `Retry-After` as an HTTP-date (RFC 9110 IMF-fixdate) is waited for like delta-seconds.
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_http_date_is_waited_for() {
+    // Three seconds ahead, written to the second: a wait of two to three seconds.
+    let date = imf_fixdate(std::time::SystemTime::now() + Duration::from_secs(3));
+    let (svc, arrivals) = scripted_service(move |n| match n {
+        0 => answer(503, Some(&date)),
+        _ => answer(201, None),
+    });
+    let response = layer().layer(svc).oneshot(keyed("k")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), 2);
+    let waited = arrivals[1] - arrivals[0];
+    assert!(
+        waited >= Duration::from_secs(2) && waited <= Duration::from_secs(3),
+        "retried after {waited:?}"
+    );
+}
+
+/// An HTTP-date past the call's deadline is not waited for: the answer is returned at once.
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_http_date_past_the_deadline_is_not_waited_for() {
+    let date = imf_fixdate(std::time::SystemTime::now() + Duration::from_secs(3600));
+    let (svc, arrivals) = scripted_service(move |n| match n {
+        0 => answer(503, Some(&date)),
+        _ => answer(201, None),
+    });
+    let started = tokio::time::Instant::now();
+    let response = layer().layer(svc).oneshot(keyed("k")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(arrivals.lock().unwrap().len(), 1);
+    assert_eq!(started.elapsed(), Duration::ZERO);
+}
+
+/// A request hyper-util's client refuses before sending (a URI without scheme and host)
+/// fails the same way every time: one attempt, and its error.
+#[tokio::test]
+async fn an_invalid_uri_is_not_retried() {
+    let request = http::Request::post("/charges")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    match call(&client(layer()), request).await {
+        Err(e @ ClientError::Inner { .. }) => assert_eq!(e.attempts(), 1, "{e:?}"),
+        other => panic!("expected the inner error: {other:?}"),
+    }
+}
+
+type Tcp = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
+type Connecting =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Tcp, std::io::Error>> + Send>>;
+
+/// A connector for hyper-util's client that fails every connection with `kind`, as a TLS
+/// connector reports a handshake it refused (`InvalidData` around the TLS library's error,
+/// as tokio-rustls does), or as TCP reports a refused connection; it counts the tries.
+fn failing_connector(
+    kind: std::io::ErrorKind,
+    connects: Arc<AtomicUsize>,
+) -> impl tower::Service<http::Uri, Response = Tcp, Error = std::io::Error, Future = Connecting>
++ Clone
++ Send
++ Sync
++ 'static {
+    tower::service_fn(move |_: http::Uri| {
+        connects.fetch_add(1, Ordering::SeqCst);
+        let fut: Connecting =
+            Box::pin(
+                async move { Err(std::io::Error::new(kind, format!("connect failed: {kind}"))) },
+            );
+        fut
+    })
+}
+
+/// A TLS handshake that failed (a certificate the client does not trust) fails the same way
+/// on every attempt: not retried. hyper-util reports it as a connect error, like a refused
+/// connection — which is retried.
+#[tokio::test]
+async fn a_tls_failure_is_not_retried_and_a_refused_connection_is() {
+    let connects = Arc::new(AtomicUsize::new(0));
+    let tls = Client::builder(TokioExecutor::new()).build::<_, ReplayBody>(failing_connector(
+        std::io::ErrorKind::InvalidData,
+        connects.clone(),
+    ));
+    let client = layer().with_max_attempts(3).layer(tls);
+    match client
+        .oneshot(post("127.0.0.1:1".parse().unwrap(), "{}"))
+        .await
+    {
+        Err(ClientError::Inner { source, attempts }) => {
+            assert!(source.is_connect(), "{source:?}");
+            assert_eq!(attempts, 1, "{source:?}");
+        }
+        other => panic!("expected the inner error: {other:?}"),
+    }
+    assert_eq!(connects.load(Ordering::SeqCst), 1);
+
+    let connects = Arc::new(AtomicUsize::new(0));
+    let refused = Client::builder(TokioExecutor::new()).build::<_, ReplayBody>(failing_connector(
+        std::io::ErrorKind::ConnectionRefused,
+        connects.clone(),
+    ));
+    let client = layer().with_max_attempts(3).layer(refused);
+    match client
+        .oneshot(post("127.0.0.1:1".parse().unwrap(), "{}"))
+        .await
+    {
+        Err(ClientError::Inner { attempts: 3, .. }) => {}
+        other => panic!("expected the inner error after 3 attempts: {other:?}"),
+    }
+    assert_eq!(connects.load(Ordering::SeqCst), 3);
+}
+
+/// The retried statuses are the layer's setting: here `500` is retried and `503` is not; an
+/// empty set retries no answer, and lost connections are still retried.
+#[tokio::test(start_paused = true)]
+async fn the_retried_statuses_are_configurable() {
+    let (svc, arrivals) = scripted_service(|n| match n {
+        0 => answer(500, None),
+        1 => answer(503, Some("1")),
+        _ => answer(201, None),
+    });
+    let only_500 = layer()
+        .with_retry_statuses([StatusCode::INTERNAL_SERVER_ERROR])
+        .unwrap();
+    let response = only_500.layer(svc).oneshot(keyed("k")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(arrivals.lock().unwrap().len(), 2, "500 retried, 503 not");
+
+    let (svc, arrivals) = scripted_service(|n| match n {
+        0 => answer(503, None),
+        _ => answer(201, None),
+    });
+    let none = layer().with_retry_statuses([]).unwrap();
+    let response = none.clone().layer(svc).oneshot(keyed("k")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(arrivals.lock().unwrap().len(), 1);
+
+    let resets = Arc::new(AtomicUsize::new(0));
+    let counted = resets.clone();
+    let svc = tower::service_fn(move |_: http::Request<ReplayBody>| {
+        let n = counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            if n == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+            }
+            Ok(answer(201, None))
+        }
+    });
+    let response = none.layer(svc).oneshot(keyed("k")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(resets.load(Ordering::SeqCst), 2);
+}
+
+/// Statuses that do not say a request failed are refused when the layer is configured, with
+/// the status named — never a panic, never a surprise at the first call.
+#[test]
+fn retry_statuses_other_than_4xx_and_5xx_are_refused_when_configured() {
+    for code in [100, 200, 201, 204, 301, 302, 304, 600, 999] {
+        let status = StatusCode::from_u16(code).unwrap();
+        let refused = layer().with_retry_statuses([StatusCode::SERVICE_UNAVAILABLE, status]);
+        let error = refused.unwrap_err();
+        assert_eq!(error.status(), status);
+        assert!(error.to_string().contains(&code.to_string()), "{error}");
+    }
+    assert!(layer().with_retry_statuses([]).is_ok());
+    assert!(
+        layer()
+            .with_retry_statuses([StatusCode::BAD_REQUEST, StatusCode::from_u16(599).unwrap()])
+            .is_ok()
+    );
+}
+
+/// A classifier of the caller's decides which errors are retried: here every connect error
+/// of hyper-util's client, the refused TLS handshake included (which the default does not
+/// retry), and never an invalid URI.
+#[tokio::test]
+async fn an_error_classifier_decides_which_errors_are_retried() {
+    let connects = Arc::new(AtomicUsize::new(0));
+    let tls = Client::builder(TokioExecutor::new()).build::<_, ReplayBody>(failing_connector(
+        std::io::ErrorKind::InvalidData,
+        connects.clone(),
+    ));
+    let every_connect = layer()
+        .with_max_attempts(3)
+        .with_error_classifier(|e: &hyper_util::client::legacy::Error| e.is_connect());
+    let client = every_connect.layer(tls);
+    match client
+        .clone()
+        .oneshot(post("127.0.0.1:1".parse().unwrap(), "{}"))
+        .await
+    {
+        Err(ClientError::Inner { attempts: 3, .. }) => {}
+        other => panic!("expected the inner error after 3 attempts: {other:?}"),
+    }
+    assert_eq!(connects.load(Ordering::SeqCst), 3);
+    let relative = http::Request::post("/charges")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    match client.oneshot(relative).await {
+        Err(ClientError::Inner { attempts: 1, .. }) => {}
+        other => panic!("expected the inner error after 1 attempt: {other:?}"),
+    }
+
+    // An inner service whose error is tower's `BoxError` (not a `std::error::Error`): the
+    // default classifier's test, applied by a closure.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let boxed = tower::service_fn(move |_: http::Request<ReplayBody>| {
+        let n = counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            match n {
+                0 => Err::<http::Response<Body>, tower_idempotency::BoxError>(
+                    std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into(),
+                ),
+                _ => Err("refused for good".into()),
+            }
+        }
+    });
+    let client = layer()
+        .with_error_classifier(|e: &tower_idempotency::BoxError| ConnectionErrors::matches(&**e))
+        .layer(boxed);
+    match client.oneshot(keyed("k")).await {
+        Err(ClientError::Inner {
+            attempts: 2,
+            source,
+        }) => {
+            assert_eq!(source.to_string(), "refused for good");
+        }
+        other => panic!("expected the second error after 2 attempts: {other:?}"),
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bounds
 // ---------------------------------------------------------------------------------------------
@@ -468,7 +907,7 @@ fn stream_of<T: Unpin + Send + 'static>(
 #[tokio::test]
 async fn the_body_is_sent_again_byte_for_byte() {
     let (upstream, addr) =
-        Upstream::start([Step::Status(503, None), Step::Status(409, None)]).await;
+        Upstream::start([Step::Status(503, None), Step::Status(409, Some("0"))]).await;
     let client = client(layer());
     let chunks: [&'static [u8]; 3] = [b"{\"amount", b"_cents\": ", b"1999}\xff\x00"];
     let request = http::Request::post(format!("http://{addr}/charges"))
@@ -715,22 +1154,20 @@ fn attempts_retries_and_outcomes_are_counted_without_keys() {
         .unwrap();
     metrics::with_local_recorder(&counters, || {
         runtime.block_on(async {
-            // The inner service answers 503, then 409, then fails, then 200; 503 after that.
+            // The inner service answers 503, then 409 in progress, then fails, then 200; 503
+            // after that.
             let calls = Arc::new(AtomicUsize::new(0));
             let svc = tower::service_fn(move |_: http::Request<ReplayBody>| {
                 let n = calls.fetch_add(1, Ordering::SeqCst);
                 async move {
-                    let status = match n {
-                        0 => 503,
-                        1 => 409,
-                        2 => return Err(std::io::Error::other("connection reset")),
-                        3 => 200,
-                        _ => 503,
+                    let (status, retry_after) = match n {
+                        0 => (503, None),
+                        1 => (409, Some("0")),
+                        2 => return Err(std::io::Error::from(std::io::ErrorKind::ConnectionReset)),
+                        3 => (200, None),
+                        _ => (503, None),
                     };
-                    Ok(http::Response::builder()
-                        .status(status)
-                        .body(Body::empty())
-                        .unwrap())
+                    Ok(answer(status, retry_after))
                 }
             });
             let client = layer().with_max_request_body(4).layer(svc.clone());
@@ -750,12 +1187,23 @@ fn attempts_retries_and_outcomes_are_counted_without_keys() {
             assert!(matches!(too_large, Err(ClientError::BodyTooLarge { .. })));
             let exhausted = short.oneshot(request("{}")).await;
             assert_eq!(exhausted.unwrap().status(), 503);
+            // An error that is not transient: one attempt, and the call fails.
+            let refused = tower::service_fn(|_: http::Request<ReplayBody>| async {
+                Err::<http::Response<Body>, _>(std::io::Error::from(
+                    std::io::ErrorKind::InvalidData,
+                ))
+            });
+            let failed = layer().layer(refused).oneshot(request("{}")).await;
+            assert!(matches!(
+                failed,
+                Err(ClientError::Inner { attempts: 1, .. })
+            ));
         });
     });
     let count = |name: &str| counters.get(name);
     assert_eq!(
         count("tower_idempotency_client_attempts_total{purpose=charge}"),
-        6
+        7
     );
     for (reason, n) in [("503", 2), ("409", 1), ("error", 1)] {
         assert_eq!(
@@ -766,7 +1214,7 @@ fn attempts_retries_and_outcomes_are_counted_without_keys() {
             "{reason}"
         );
     }
-    for outcome in ["answered", "not_sent", "exhausted"] {
+    for outcome in ["answered", "not_sent", "exhausted", "failed"] {
         assert_eq!(
             count(&format!(
                 "tower_idempotency_client_calls_total{{purpose=charge,outcome={outcome}}}"

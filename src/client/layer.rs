@@ -1,11 +1,13 @@
 //! [`IdempotentClientLayer`] and its configuration.
 
+use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::HeaderName;
+use http::{HeaderName, StatusCode};
 use tower_layer::Layer;
 
+use super::retry::{ConnectionErrors, InvalidRetryStatus, RetryStatuses};
 use super::service::IdempotentClient;
 use crate::key::{KeyError, Purpose};
 use crate::layer::IDEMPOTENCY_KEY;
@@ -33,11 +35,12 @@ pub(crate) struct ClientConfig {
     pub(crate) base_delay: Duration,
     pub(crate) max_delay: Duration,
     pub(crate) max_body: usize,
+    pub(crate) retry_statuses: RetryStatuses,
 }
 
 /// Applies [`IdempotentClient`] to an outbound HTTP client: every request gets an
-/// idempotency key, and lost answers, `409`, `429`, `502`, `503` and `504` are retried with
-/// that same key.
+/// idempotency key, and lost answers, `409` in progress, `429`, `502`, `503` and `504` are
+/// retried with that same key.
 ///
 /// ```
 /// use std::time::Duration;
@@ -50,11 +53,31 @@ pub(crate) struct ClientConfig {
 /// # Ok::<(), tower_idempotency::KeyError>(())
 /// ```
 ///
-/// See the [module documentation](crate::client) for which key is sent, what is retried and
-/// every setting's default.
-#[derive(Clone, Debug)]
-pub struct IdempotentClientLayer {
+/// `C` decides which errors of the inner service are retried: [`ConnectionErrors`] unless
+/// set with [`with_error_classifier`](Self::with_error_classifier). See the
+/// [module documentation](crate::client) for which key is sent, what is retried and every
+/// setting's default.
+pub struct IdempotentClientLayer<C = ConnectionErrors> {
     pub(crate) config: Arc<ClientConfig>,
+    pub(crate) classifier: Arc<C>,
+}
+
+impl<C> Clone for IdempotentClientLayer<C> {
+    fn clone(&self) -> Self {
+        Self {
+            config: self.config.clone(),
+            classifier: self.classifier.clone(),
+        }
+    }
+}
+
+impl<C> fmt::Debug for IdempotentClientLayer<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotentClientLayer")
+            .field("config", &self.config)
+            .field("classifier", &std::any::type_name::<C>())
+            .finish()
+    }
 }
 
 impl IdempotentClientLayer {
@@ -77,10 +100,14 @@ impl IdempotentClientLayer {
                 base_delay: DEFAULT_BASE_DELAY,
                 max_delay: DEFAULT_MAX_DELAY,
                 max_body: DEFAULT_MAX_BODY,
+                retry_statuses: RetryStatuses::default(),
             }),
+            classifier: Arc::new(ConnectionErrors),
         })
     }
+}
 
+impl<C> IdempotentClientLayer<C> {
     fn with(mut self, f: impl FnOnce(&mut ClientConfig)) -> Self {
         f(Arc::make_mut(&mut self.config));
         self
@@ -129,12 +156,85 @@ impl IdempotentClientLayer {
     pub fn with_max_request_body(self, bytes: usize) -> Self {
         self.with(|c| c.max_body = bytes)
     }
+
+    /// The statuses whose answers are retried with the same key, instead of being the call's
+    /// answer (default `409`, `429`, `502`, `503`, `504`).
+    ///
+    /// A `409` among them is retried only when it carries a `Retry-After`, as the server
+    /// layer's `request-in-progress` does: a `409` without one is final (the server layer's
+    /// `response-not-stored`, a handler's own conflict). The others are retried with or
+    /// without it. An empty set retries no answer: only errors the
+    /// [classifier](Self::with_error_classifier) calls transient, and attempts past their
+    /// timeout.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use tower_idempotency::client::IdempotentClientLayer;
+    ///
+    /// // Also retry a 500: this server's handlers may fail without saying "later".
+    /// let layer = IdempotentClientLayer::new("charge")?.with_retry_statuses([
+    ///     StatusCode::CONFLICT,
+    ///     StatusCode::TOO_MANY_REQUESTS,
+    ///     StatusCode::INTERNAL_SERVER_ERROR,
+    ///     StatusCode::SERVICE_UNAVAILABLE,
+    /// ])?;
+    ///
+    /// // A success is never retried: refused here, not at the first call.
+    /// let refused = IdempotentClientLayer::new("charge")?.with_retry_statuses([StatusCode::OK]);
+    /// assert_eq!(refused.unwrap_err().status(), StatusCode::OK);
+    /// # let _ = layer;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidRetryStatus`], naming the first status that is not a `4xx` or a `5xx` (a
+    /// `1xx`, a `2xx` success, a `3xx` redirect, or one of `600` to `999`).
+    pub fn with_retry_statuses(
+        self,
+        statuses: impl IntoIterator<Item = StatusCode>,
+    ) -> Result<Self, InvalidRetryStatus> {
+        let statuses = RetryStatuses::new(statuses)?;
+        Ok(self.with(|c| c.retry_statuses = statuses))
+    }
+
+    /// Which errors of the inner service are retried with the same key (default
+    /// [`ConnectionErrors`]: a connection refused, reset or closed before the answer, and
+    /// timeouts; never an error that fails the same way every time, such as an invalid URI
+    /// or a refused TLS handshake). Any other error is the call's outcome after one attempt:
+    /// [`ClientError::Inner`](super::ClientError::Inner).
+    ///
+    /// The inner service's error type is the client's own choice, so the layer cannot know
+    /// every error that is worth another attempt; give a closure over that type (write the
+    /// parameter's type), or any [`ClassifyError`](super::ClassifyError):
+    ///
+    /// ```
+    /// use hyper_util::client::legacy::{Client, Error};
+    /// use hyper_util::rt::TokioExecutor;
+    /// use tower::Layer as _;
+    /// use tower_idempotency::client::{ConnectionErrors, IdempotentClientLayer, ReplayBody};
+    ///
+    /// // Also retry every error of hyper-util's connector (a name that did not resolve, say).
+    /// let layer = IdempotentClientLayer::new("charge")?
+    ///     .with_error_classifier(|e: &Error| e.is_connect() || ConnectionErrors::matches(e));
+    /// # let _rt = tokio::runtime::Builder::new_current_thread().build()?;
+    /// # let _guard = _rt.enter();
+    /// let client = layer.layer(Client::builder(TokioExecutor::new()).build_http::<ReplayBody>());
+    /// # let _ = client;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_error_classifier<D>(self, classifier: D) -> IdempotentClientLayer<D> {
+        IdempotentClientLayer {
+            config: self.config,
+            classifier: Arc::new(classifier),
+        }
+    }
 }
 
-impl<S> Layer<S> for IdempotentClientLayer {
-    type Service = IdempotentClient<S>;
+impl<S, C> Layer<S> for IdempotentClientLayer<C> {
+    type Service = IdempotentClient<S, C>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        IdempotentClient::new(inner, self.config.clone())
+        IdempotentClient::new(inner, self.config.clone(), self.classifier.clone())
     }
 }

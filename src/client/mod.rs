@@ -51,17 +51,48 @@
 //!
 //! | attempt's outcome | retried |
 //! |---|---|
-//! | the inner service failed (connection refused, reset, closed before the answer, any other error) | yes |
+//! | the inner service failed because the connection failed or was lost: refused, reset, closed before the answer, timed out ([`ConnectionErrors`]) | yes |
+//! | any other error of the inner service: an invalid URI, a refused TLS handshake, a name that does not resolve, an error type the classifier does not know | no: [`ClientError::Inner`] after that attempt |
 //! | no answer within the attempt timeout | yes |
-//! | `409` (an earlier attempt with this key still runs), `429`, `503` | yes, after the answer's `Retry-After` (delta-seconds) if it is longer than the backoff |
+//! | `409` with `Retry-After` (the server layer's `request-in-progress`: an earlier attempt with this key still runs) | yes, after its `Retry-After` if that is longer than the backoff |
+//! | `409` without `Retry-After` (the server layer's `response-not-stored`, a handler's own conflict) | no: it is the call's answer |
+//! | `429`, `503` | yes, after the answer's `Retry-After` if it is longer than the backoff |
 //! | `502`, `504` (a gateway lost the answer) | yes |
 //! | any other answer: `2xx`, `3xx`, `400`, `404`, `422`, other `4xx`, `500` and other `5xx` | no: it is the call's answer |
 //!
-//! Every inner error is retried, because a request that carries a key is safe to send again
-//! whatever happened to the last one: the server either never saw it, or runs it once and
-//! replays its answer. A `422` means the key was used with another request — sending it
-//! again cannot help. A `500` is returned rather than retried at once; the key makes a
-//! later call with it safe.
+//! A request that carries a key is safe to send again whatever happened to the last one:
+//! the server either never saw it, or runs it once and replays its answer. What is retried
+//! is what a later attempt can change. A connection that failed or an answer that was lost
+//! may go through next time; an invalid URI or a certificate the client does not trust fails
+//! the same way every time, and is returned at once. A `422` means the key was used with
+//! another request, and a `409` that does not say "later" is final — sending either again
+//! cannot help. A `500` is returned rather than retried at once; the key makes a later call
+//! with it safe.
+//!
+//! **Statuses.** [`with_retry_statuses`](IdempotentClientLayer::with_retry_statuses)
+//! replaces the set (only `4xx` and `5xx`; anything else is refused with
+//! [`InvalidRetryStatus`] when the layer is configured; an empty set retries no answer).
+//! A `409` in the set is retried only when it carries a `Retry-After`. The server layer's
+//! `409 request-in-progress` always does, and its `409 response-not-stored` never does; the
+//! header, not the problem document's `type`, is what the client reads, because the
+//! response body is the inner service's and is returned untouched (reading it would consume
+//! it). A server that renders its rejections itself (`with_rejection_handler`) must keep
+//! `Retry-After` on its in-progress `409` for clients to retry it.
+//!
+//! **`Retry-After`** is read as delta-seconds (`Retry-After: 3`) or as an HTTP-date (RFC 9110:
+//! `Wed, 21 Oct 2015 07:28:00 GMT`, or either obsolete form), the date measured against this
+//! machine's clock (a date already past asks for no wait). Either way it is bounded by the
+//! call's limits below: a retry whose wait would reach the deadline is not made.
+//!
+//! **Errors.** The inner service's error type is generic, so the layer cannot know every
+//! error that is worth another attempt. By default ([`ConnectionErrors`]) it retries only
+//! errors whose `source()` chain says that the connection failed or was lost — a
+//! `std::io::Error` of a connection kind (refused, reset, aborted, broken pipe, timed out,
+//! unreachable), or a `hyper::Error` for a connection closed before the answer or a request
+//! never sent — and returns every other error after one attempt. This needs an error type
+//! that is a `std::error::Error` (hyper-util's is); for another (tower's `BoxError`), or to
+//! retry more or less, give a classifier with
+//! [`with_error_classifier`](IdempotentClientLayer::with_error_classifier).
 //!
 //! Attempts are spaced by exponential backoff with full jitter (a random wait between zero
 //! and `min(2 s, 100 ms × 2^(n-1))` before retry `n`). The call stops at
@@ -92,6 +123,8 @@
 //! | [`with_deadline`](IdempotentClientLayer::with_deadline) | 10 s |
 //! | [`with_backoff`](IdempotentClientLayer::with_backoff) | 100 ms, at most 2 s |
 //! | [`with_max_request_body`](IdempotentClientLayer::with_max_request_body) | 1 MiB |
+//! | [`with_retry_statuses`](IdempotentClientLayer::with_retry_statuses) | `409` (with `Retry-After`), `429`, `502`, `503`, `504` |
+//! | [`with_error_classifier`](IdempotentClientLayer::with_error_classifier) | [`ConnectionErrors`] |
 //!
 //! Choose the deadline within what your own caller waits for you, and, when the call runs
 //! in a handler behind the server layer in transactional mode, mind that the handler holds
@@ -101,19 +134,20 @@
 //!
 //! Each call runs in a `tracing` span `idempotent_client` (DEBUG) with the `purpose`, the
 //! `key` and the number of `attempts`; each attempt that fails or is retried is a DEBUG event
-//! with its number and `reason` (`error`, `timeout`, `409`, `429`, `502`, `503`, `504`), and
-//! a call that gives up is a WARN event. With the `metrics` feature, never with a key as a
+//! with its number and `reason` (`error`, `timeout`, or the retried status: `409`, `429`,
+//! `502`, `503`, `504` by default), and a call that gives up is a WARN event. With the `metrics` feature, never with a key as a
 //! label:
 //!
 //! | metric | kind | what |
 //! |---|---|---|
 //! | `tower_idempotency_client_attempts_total{purpose}` | counter | attempts sent |
 //! | `tower_idempotency_client_retries_total{purpose,reason}` | counter | retries, by the reason above |
-//! | `tower_idempotency_client_calls_total{purpose,outcome}` | counter | calls: `answered` (an answer that is not retried), `exhausted` (the bounds were hit; the last outcome returned), `not_sent` (the body was too large or unreadable) |
+//! | `tower_idempotency_client_calls_total{purpose,outcome}` | counter | calls: `answered` (an answer that is not retried), `failed` (an error that is not retried), `exhausted` (the bounds were hit; the last outcome returned), `not_sent` (the body was too large or unreadable) |
 
 mod body;
 mod future;
 mod layer;
+mod retry;
 mod service;
 
 use std::time::Duration;
@@ -121,6 +155,7 @@ use std::time::Duration;
 pub use body::ReplayBody;
 pub use future::ResponseFuture;
 pub use layer::IdempotentClientLayer;
+pub use retry::{ClassifyError, ConnectionErrors, InvalidRetryStatus};
 pub use service::IdempotentClient;
 
 use crate::error::BoxError;
@@ -131,8 +166,9 @@ use crate::key::IdempotencyKey;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError<E> {
-    /// The inner service failed on the last attempt (the cause is kept), after `attempts`
-    /// attempts; `0` when it failed to become ready before the first.
+    /// The inner service failed (the cause is kept): with an error the classifier does not
+    /// call transient, on that attempt; with a transient one, on the last attempt the bounds
+    /// allowed. `attempts` is `0` when it failed to become ready before the first.
     #[error("the outbound call failed after {attempts} attempt(s)")]
     Inner {
         /// The inner service's error.

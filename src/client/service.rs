@@ -4,9 +4,9 @@ use std::fmt;
 use std::future::poll_fn;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
+use http::{HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use tokio::time::Instant;
 use tower_service::Service;
@@ -16,6 +16,7 @@ use super::ClientError;
 use super::body::{ReplayBody, read_body};
 use super::future::ResponseFuture;
 use super::layer::ClientConfig;
+use super::retry::{ClassifyError, ConnectionErrors, retry_answer};
 use crate::error::BoxError;
 use crate::key::IdempotencyKey;
 
@@ -24,17 +25,42 @@ use crate::key::IdempotencyKey;
 /// [`IdempotentClientLayer`](super::IdempotentClientLayer).
 ///
 /// The inner service receives the request with a [`ReplayBody`] (the caller's body, buffered
-/// once); the response comes back as the inner service made it. See the
+/// once); the response comes back as the inner service made it. `C` decides which of the
+/// inner service's errors are retried ([`ConnectionErrors`] by default). See the
 /// [module documentation](crate::client).
-#[derive(Clone, Debug)]
-pub struct IdempotentClient<S> {
+pub struct IdempotentClient<S, C = ConnectionErrors> {
     inner: S,
     config: Arc<ClientConfig>,
+    classifier: Arc<C>,
 }
 
-impl<S> IdempotentClient<S> {
-    pub(crate) fn new(inner: S, config: Arc<ClientConfig>) -> Self {
-        Self { inner, config }
+impl<S: Clone, C> Clone for IdempotentClient<S, C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+            classifier: self.classifier.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, C> fmt::Debug for IdempotentClient<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotentClient")
+            .field("inner", &self.inner)
+            .field("config", &self.config)
+            .field("classifier", &std::any::type_name::<C>())
+            .finish()
+    }
+}
+
+impl<S, C> IdempotentClient<S, C> {
+    pub(crate) fn new(inner: S, config: Arc<ClientConfig>, classifier: Arc<C>) -> Self {
+        Self {
+            inner,
+            config,
+            classifier,
+        }
     }
 
     /// The inner service.
@@ -53,11 +79,12 @@ impl<S> IdempotentClient<S> {
     }
 }
 
-impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for IdempotentClient<S>
+impl<S, C, ReqBody, ResBody> Service<Request<ReqBody>> for IdempotentClient<S, C>
 where
     S: Service<Request<ReplayBody>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: fmt::Display + Send + 'static,
+    C: ClassifyError<S::Error> + Send + Sync + 'static,
     ReqBody: Body + Send + 'static,
     ReqBody::Data: Send,
     ReqBody::Error: Into<BoxError>,
@@ -82,6 +109,7 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = self.config.clone();
+        let classifier = self.classifier.clone();
         let span = tracing::debug_span!(
             "idempotent_client",
             purpose = config.purpose.as_str(),
@@ -90,7 +118,7 @@ where
         );
         // Fields are recorded on this span, never on `Span::current()`: with this span
         // filtered out, the current one may be the server layer's, which has a `key` too.
-        let future = call(inner, config, req, span.clone()).instrument(span);
+        let future = call(inner, config, classifier, req, span.clone()).instrument(span);
         ResponseFuture::new(Box::pin(future))
     }
 }
@@ -98,54 +126,25 @@ where
 /// Why an attempt is retried: the `reason` of its tracing event and metrics counter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Reason {
-    /// The inner service failed: the connection was refused, reset or closed before the
-    /// answer, or any other error.
+    /// The inner service failed with an error the classifier calls transient: the
+    /// connection was refused, reset or closed before the answer, by default.
     Error,
     /// No answer within the attempt's timeout.
     Timeout,
-    /// An answer with a retryable status (`409`, `429`, `502`, `503`, `504`).
+    /// An answer with a retried status (`409` in progress, `429`, `502`, `503`, `504` by
+    /// default).
     Status(StatusCode),
 }
 
 impl Reason {
-    fn as_str(self) -> &'static str {
+    /// The label: `error`, `timeout`, or the status's three digits.
+    fn as_str(&self) -> &str {
         match self {
             Self::Error => "error",
             Self::Timeout => "timeout",
-            Self::Status(status) => match status.as_u16() {
-                409 => "409",
-                429 => "429",
-                502 => "502",
-                503 => "503",
-                504 => "504",
-                _ => "status",
-            },
+            Self::Status(status) => status.as_str(),
         }
     }
-}
-
-/// Whether an answer with `status` is worth another attempt with the same key.
-///
-/// - `409`: the server still runs an earlier attempt with this key (the server layer's
-///   `request-in-progress`); a later attempt gets its answer.
-/// - `429` and `503`: the server asks to come back later; it did not act on the request.
-/// - `502` and `504`: a gateway lost its upstream's answer: a lost answer, like a closed
-///   connection, which the key makes safe to retry.
-///
-/// Never another `4xx`: the request is wrong (`400`), the key was used for another request
-/// (`422`), the route is missing (`404`); sending it again gets the same answer. Never `500`
-/// and other `5xx` either: a server that fails without saying "later" is not helped by being
-/// asked again at once (the key makes a later call with it safe; the server layer releases
-/// keys whose answer was a `5xx`).
-fn retryable(status: StatusCode) -> bool {
-    matches!(status.as_u16(), 409 | 429 | 502 | 503 | 504)
-}
-
-/// A `Retry-After` in delta-seconds (`Retry-After: 3`). An HTTP-date is not read: the
-/// backoff applies instead.
-fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    let value = headers.get(header::RETRY_AFTER)?.to_str().ok()?;
-    value.trim().parse::<u64>().ok().map(Duration::from_secs)
 }
 
 /// How an attempt ended, when it is not the call's answer.
@@ -157,15 +156,17 @@ enum Failed<B, E> {
 
 /// The call: reads the body, picks the key, and runs attempts until one gets an answer that
 /// is not retried, or a bound is reached.
-async fn call<S, ReqBody, ResBody>(
+async fn call<S, C, ReqBody, ResBody>(
     mut svc: S,
     config: Arc<ClientConfig>,
+    classifier: Arc<C>,
     req: Request<ReqBody>,
     span: tracing::Span,
 ) -> Result<Response<ResBody>, ClientError<S::Error>>
 where
     S: Service<Request<ReplayBody>, Response = Response<ResBody>>,
     S::Error: fmt::Display,
+    C: ClassifyError<S::Error>,
     ReqBody: Body,
     ReqBody::Error: Into<BoxError>,
 {
@@ -217,27 +218,40 @@ where
             Some(exchange.await)
         };
         let (reason, wait_at_least, failed) = match outcome {
-            Some(Ok(response)) if !retryable(response.status()) => {
-                tracing::debug!(attempt, status = %response.status(), "attempt answered");
-                record_call("answered", &config);
-                span.record("attempts", attempt);
-                return Ok(response);
+            Some(Ok(response)) => {
+                let status = response.status();
+                let Some(wait) = retry_answer(
+                    &config.retry_statuses,
+                    status,
+                    response.headers(),
+                    SystemTime::now(),
+                ) else {
+                    tracing::debug!(attempt, %status, "attempt answered");
+                    record_call("answered", &config);
+                    span.record("attempts", attempt);
+                    return Ok(response);
+                };
+                (Reason::Status(status), wait, Failed::Answer(response))
             }
-            Some(Ok(response)) => (
-                Reason::Status(response.status()),
-                retry_after(response.headers()),
-                Failed::Answer(response),
-            ),
+            Some(Err(e)) if !classifier.is_transient(&e) => {
+                tracing::debug!(attempt, error = %e, "attempt failed; the error is not retried");
+                record_call("failed", &config);
+                span.record("attempts", attempt);
+                return Err(ClientError::Inner {
+                    source: e,
+                    attempts: attempt,
+                });
+            }
             Some(Err(e)) => {
                 tracing::debug!(attempt, error = %e, "attempt failed");
-                (Reason::Error, None, Failed::Error(e))
+                (Reason::Error, Duration::ZERO, Failed::Error(e))
             }
-            None => (Reason::Timeout, None, Failed::TimedOut(limit)),
+            None => (Reason::Timeout, Duration::ZERO, Failed::TimedOut(limit)),
         };
 
         // Wait for the backoff, or for what the server asked, whichever is longer; but give
         // up when the attempts are spent, or when the wait would reach the deadline.
-        let delay = backoff(&config, attempt).max(wait_at_least.unwrap_or_default());
+        let delay = backoff(&config, attempt).max(wait_at_least);
         let remaining = started.map(|s| config.deadline.saturating_sub(s.elapsed()));
         let give_up = attempt >= config.max_attempts || remaining.is_none_or(|r| delay >= r);
         span.record("attempts", attempt);
@@ -272,7 +286,7 @@ where
         metrics::counter!(
             "tower_idempotency_client_retries_total",
             "purpose" => config.purpose.as_str().to_owned(),
-            "reason" => reason.as_str()
+            "reason" => reason.as_str().to_owned()
         )
         .increment(1);
         tokio::time::sleep(delay).await;
@@ -337,31 +351,6 @@ fn record_call(outcome: &'static str, config: &ClientConfig) {
 mod tests {
     use super::*;
     use crate::client::IdempotentClientLayer;
-
-    #[test]
-    fn only_409_429_502_503_504_are_retried() {
-        for code in 100..600u16 {
-            let status = StatusCode::from_u16(code).unwrap();
-            assert_eq!(
-                retryable(status),
-                [409, 429, 502, 503, 504].contains(&code),
-                "{code}"
-            );
-        }
-    }
-
-    #[test]
-    fn retry_after_is_read_in_delta_seconds_only() {
-        let mut headers = HeaderMap::new();
-        assert_eq!(retry_after(&headers), None);
-        headers.insert(header::RETRY_AFTER, HeaderValue::from_static(" 3 "));
-        assert_eq!(retry_after(&headers), Some(Duration::from_secs(3)));
-        headers.insert(
-            header::RETRY_AFTER,
-            HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT"),
-        );
-        assert_eq!(retry_after(&headers), None);
-    }
 
     #[test]
     fn backoff_is_jittered_below_a_doubling_capped_ceiling() {
