@@ -69,7 +69,10 @@ const ROOM_ATTEMPTS: usize = 16;
 /// not count: a full store drops them first. If that does not make room, the store applies its
 /// [`WhenFull`] policy ([`with_when_full`](Self::with_when_full)): by default it fails closed
 /// ([`StoreError::Full`], which the layer answers `503` with `Retry-After`); or it evicts the
-/// completed records nearest their expiry. In-progress records are never evicted. Everything
+/// completed records nearest their expiry. In-progress records are never evicted while their
+/// lease or TTL runs; one whose lease and TTL both ran out was abandoned by its request (a
+/// task aborted, a runtime shut down), and a full store removes it before it refuses or
+/// evicts, so abandoned claims cannot keep a store full until a purge. Everything
 /// but a new key's claim goes on as usual when full: replays, `409`s for running keys, and the
 /// answers of running requests, which are always stored (so the bytes may pass the limit by
 /// the answers of the requests running when it was reached).
@@ -80,8 +83,9 @@ const ROOM_ATTEMPTS: usize = 16;
 /// own, with no task to spawn: each claim first removes up to four from its shard (its shard
 /// adds one record at most), in the order they expire, so memory stays bounded by what is
 /// live. An in-progress record that outlived its lease and TTL stays until its owner completes
-/// or releases it, a claim of its key replaces it, or [`purge_expired`](Store::purge_expired)
-/// removes it (as the [`Store`] contract says, its token holds it until then).
+/// or releases it, a claim of its key replaces it, a claim finds the store full, or
+/// [`purge_expired`](Store::purge_expired) removes it (as the [`Store`] contract says, its
+/// token holds it until then).
 /// [`purge_expired`](Store::purge_expired) and
 /// [`spawn_purge_task`](crate::spawn_purge_task) still work, removing every expired record;
 /// like the claims, they take records from the front of an expiry index, at most
@@ -520,6 +524,9 @@ impl MemoryStore {
                     false,
                 );
             }
+            if freed == 0 {
+                freed = self.sweep_abandoned(now);
+            }
             if freed == 0 && usage.when_full() == WhenFull::EvictCompleted && self.evict_one() {
                 freed = 1;
             }
@@ -528,6 +535,27 @@ impl MemoryStore {
             }
         }
         usage.try_reserve(bytes)
+    }
+
+    /// Removes in-progress records whose lease and TTL both ran out (their requests are
+    /// gone: a task aborted, a runtime shut down), up to [`SWEEP_WHEN_FULL`] a shard; returns
+    /// how many. Only a full store that found no expired answer to drop calls it, so the
+    /// claims of a store with room never pay for it: it locks every shard in turn, and takes
+    /// from the front of each one's in-progress index alone.
+    fn sweep_abandoned(&self, now: u64) -> usize {
+        let mut freed = 0;
+        for (i, shard) in self.inner.shards.iter().enumerate() {
+            let mut shard = lock(shard);
+            if shard
+                .index
+                .running
+                .first()
+                .is_some_and(|first| first.at <= now)
+            {
+                freed += self.sweep(i, &mut shard, now, SWEEP_WHEN_FULL, true);
+            }
+        }
+        freed
     }
 
     /// Evicts the completed record nearest its expiry, of all shards; `false` when there is
@@ -972,6 +1000,35 @@ mod tests {
                 .await
                 .unwrap()
         );
+    }
+
+    /// In-progress records abandoned by their requests (a task aborted, a runtime shut down)
+    /// whose lease and TTL have run out count against the limits only until the store is
+    /// full: then a claim removes them before it refuses, instead of failing closed until a
+    /// purge.
+    #[tokio::test(start_paused = true)]
+    async fn a_full_store_removes_abandoned_in_progress_records_before_it_refuses() {
+        let store = MemoryStore::new().with_max_entries(8);
+        let short = |key| ClaimRequest {
+            lease: Duration::from_secs(1),
+            ttl: Duration::from_secs(1),
+            ..claim("", key)
+        };
+        let keys: Vec<_> = (0..8)
+            .map(|i| IdempotencyKey::parse(&format!("abandoned{i}")).unwrap())
+            .collect();
+        for key in &keys {
+            token(store.claim(short(key)).await.unwrap());
+        }
+        let new = IdempotencyKey::parse("new").unwrap();
+        // Their leases run: the store is full of records it may not drop.
+        assert!(matches!(
+            store.claim(claim("", &new)).await,
+            Err(StoreError::Full)
+        ));
+        tokio::time::advance(Duration::from_secs(2)).await;
+        token(store.claim(claim("", &new)).await.unwrap());
+        assert!(store.len() <= 8, "{}", store.len());
     }
 
     #[tokio::test(start_paused = true)]
