@@ -85,6 +85,16 @@
 //! [`with_cancel_on_disconnect(true)`](IdempotencyLayer::with_cancel_on_disconnect) runs the
 //! request inline instead: a dropped request cuts the handler and releases the key.
 //!
+//! **Runtime.** On Tokio the runtime must have its time driver (`#[tokio::main]`,
+//! `#[tokio::test]` and `Runtime::new` enable it; a `Builder` needs `enable_time` or
+//! `enable_all`): leases are renewed and store calls bounded with Tokio's timer, which panics
+//! on a runtime built without it, and Tokio offers no way to ask before. Polled by another
+//! executor, with no Tokio runtime at all, a keyed request runs inline, every path of it
+//! (a handler or store call that waits, a failed answer's release): the store calls are not
+//! bounded, the lease is not renewed (a handler that outlives it may see its key taken over),
+//! and the answer is stored before the response is returned. The Postgres and Redis stores
+//! need a Tokio runtime of their own (sqlx's and redis' drivers).
+//!
 //! While the handler runs, the layer renews the lease every third of it. A lease runs out
 //! under a live process only when no renewal succeeds for about two thirds of it (the store
 //! unreachable or slower than a third of the lease, or the process stalled); the handler

@@ -317,10 +317,11 @@ pin_project! {
         // `None` once taken by the drop (see `Handling`'s `PinnedDrop`).
         Reading { answer: Option<ToStore<B>> },
         // Storing the answer did not finish at its first poll: it goes on in a task of its
-        // own, which finishes even if this future is dropped meanwhile.
+        // own, which finishes even if this future is dropped meanwhile (outside a Tokio
+        // runtime, in place).
         Storing {
             response: Option<(Response<ResponseBody<B>>, Keep)>,
-            task: tokio::task::JoinHandle<()>,
+            task: Completion,
         },
         // A 5xx, a failed response body or a handler error: nothing is stored, and the key is
         // released so that a retry runs the handler again.
@@ -417,7 +418,7 @@ where
                         }
                         State::Storing {
                             response: Some((response, stored)),
-                            task: tokio::spawn(completion),
+                            task: Completion::start(completion),
                         }
                     }
                     Poll::Ready((response, None)) => releasing(this.guard, Ok(response)),
@@ -427,12 +428,7 @@ where
                     }
                 },
                 StateProj::Storing { response, task } => {
-                    if let Err(e) = ready!(Pin::new(task).poll(cx)) {
-                        tracing::error!(
-                            error = &e as &dyn std::error::Error,
-                            "storing the answer panicked"
-                        );
-                    }
+                    ready!(task.poll(cx));
                     let response = response.take().map(|(mut response, stored)| {
                         stored.restore(&mut response);
                         Ok(response)
@@ -450,6 +446,37 @@ where
                 StateProj::Done => return Poll::Pending,
             };
             this.state.set(next);
+        }
+    }
+}
+
+/// A completion that did not finish at its first poll.
+enum Completion {
+    /// In a task of its own, which a dropped request does not cancel.
+    Spawned(tokio::task::JoinHandle<()>),
+    /// Outside a Tokio runtime (another executor polls the request): polled in place.
+    Inline(BoxTask),
+}
+
+impl Completion {
+    fn start(completion: BoxTask) -> Self {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => Self::Spawned(runtime.spawn(completion)),
+            Err(_) => Self::Inline(completion),
+        }
+    }
+
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        match self {
+            Self::Spawned(task) => Pin::new(task).poll(cx).map(|joined| {
+                if let Err(e) = joined {
+                    tracing::error!(
+                        error = &e as &dyn std::error::Error,
+                        "storing the answer panicked"
+                    );
+                }
+            }),
+            Self::Inline(task) => task.as_mut().poll(cx),
         }
     }
 }
@@ -478,7 +505,8 @@ enum Renewal {
     /// Not started: most handlers answer at their first poll.
     Idle,
     Running(BoxTask),
-    /// Ended, as the lease was lost; never polled again.
+    /// Ended, as the lease was lost, or never started, for want of a timer (outside a Tokio
+    /// runtime); never polled again.
     Done,
 }
 
@@ -494,7 +522,14 @@ fn poll_renewal<St: Store>(
     if let Renewal::Idle = renewal
         && let Some(held) = &guard.held
     {
-        *renewal = Renewal::Running(Box::pin(renew(held.clone(), lease, signal.clone())));
+        // Renewals need the runtime's timer. Outside a Tokio runtime (another executor polls
+        // the request) there is none: the lease is not renewed, and a handler that outlives it
+        // may see its key taken over (the layer documents it).
+        *renewal = if tokio::runtime::Handle::try_current().is_ok() {
+            Renewal::Running(Box::pin(renew(held.clone(), lease, signal.clone())))
+        } else {
+            Renewal::Done
+        };
     }
     if let Renewal::Running(task) = renewal
         && task.as_mut().poll(cx).is_ready()

@@ -601,6 +601,106 @@ fn outside_a_tokio_runtime_a_keyed_request_runs_inline() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
+/// A future that is pending once (waking itself) and then ready: a handler or a store call
+/// that really waits, as one on another executor would.
+async fn yield_once() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            std::task::Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+}
+
+/// The memory store, with every call pending once before it answers.
+#[derive(Clone, Default)]
+struct Waits(MemoryStore);
+
+impl Store for Waits {
+    async fn claim(
+        &self,
+        request: tower_idempotency::ClaimRequest<'_>,
+    ) -> Result<tower_idempotency::ClaimOutcome, tower_idempotency::StoreError> {
+        yield_once().await;
+        self.0.claim(request).await
+    }
+    async fn complete(
+        &self,
+        scope: &str,
+        key: &tower_idempotency::IdempotencyKey,
+        token: tower_idempotency::LeaseToken,
+        response: &tower_idempotency::StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool, tower_idempotency::StoreError> {
+        yield_once().await;
+        self.0.complete(scope, key, token, response, ttl).await
+    }
+    async fn release(
+        &self,
+        scope: &str,
+        key: &tower_idempotency::IdempotencyKey,
+        token: tower_idempotency::LeaseToken,
+    ) -> Result<bool, tower_idempotency::StoreError> {
+        yield_once().await;
+        self.0.release(scope, key, token).await
+    }
+    async fn renew(
+        &self,
+        scope: &str,
+        key: &tower_idempotency::IdempotencyKey,
+        token: tower_idempotency::LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, tower_idempotency::StoreError> {
+        yield_once().await;
+        self.0.renew(scope, key, token, lease).await
+    }
+    async fn purge_expired(&self, batch_size: usize) -> Result<u64, tower_idempotency::StoreError> {
+        self.0.purge_expired(batch_size).await
+    }
+}
+
+/// Outside a Tokio runtime (a keyed request polled by another executor) every path of plain
+/// mode runs inline, never a panic: a handler that waits (no lease renewal timer is armed:
+/// there is no timer), a store whose claim and completion wait (the completion is awaited in
+/// place, not spawned; the store calls run unbounded), a failed answer's release. The retry
+/// replays; the failed key runs again.
+#[test]
+fn outside_a_tokio_runtime_waiting_handlers_and_stores_run_inline() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = IdempotencyLayer::new(Waits::default()).layer(tower::service_fn({
+        let calls = calls.clone();
+        move |req: Request<RequestBody<Full<Bytes>>>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                yield_once().await;
+                let mut res = Response::new(Full::new(Bytes::from(format!("call #{n}"))));
+                if req.uri().path() == "/fail" {
+                    *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                }
+                Ok::<_, std::io::Error>(res)
+            }
+        }
+    }));
+    let first = block_on(svc.clone().oneshot(req("POST", "/pay", Some("k"), "b"))).unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let again = block_on(svc.clone().oneshot(req("POST", "/pay", Some("k"), "b"))).unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    let failed = block_on(svc.clone().oneshot(req("POST", "/fail", Some("f"), "b"))).unwrap();
+    assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let retried = block_on(svc.oneshot(req("POST", "/fail", Some("f"), "b"))).unwrap();
+    assert_eq!(retried.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        3,
+        "the released key ran again"
+    );
+}
+
 /// Polls a future to its end on this thread, without a runtime.
 fn block_on<F: std::future::Future>(future: F) -> F::Output {
     struct Unpark(std::thread::Thread);
