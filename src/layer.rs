@@ -47,9 +47,8 @@ pub(crate) struct Config {
     pub(crate) store_timeout: Duration,
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
-    pub(crate) store_server_errors: bool,
-    /// Which answers are stored, when the user said ([`IdempotencyLayer::with_store_when`]).
-    pub(crate) store_when: Option<Arc<StoreWhenFn>>,
+    /// Which answers are stored.
+    pub(crate) store_policy: StorePolicy,
     pub(crate) keep_set_cookie: bool,
     pub(crate) replayed_headers: ReplayedHeaders,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
@@ -79,8 +78,7 @@ impl Default for Config {
             store_timeout: DEFAULT_STORE_TIMEOUT,
             max_request_body: 1024 * 1024,
             max_response_body: 1024 * 1024,
-            store_server_errors: false,
-            store_when: None,
+            store_policy: StorePolicy::default(),
             keep_set_cookie: false,
             replayed_headers: ReplayedHeaders::default(),
             fingerprint_headers: Vec::new(),
@@ -112,23 +110,32 @@ impl Config {
         }
     }
 
-    /// Whether the handler's answer is stored (and replayed to retries), or the key released
-    /// so that a retry runs the handler again.
-    pub(crate) fn stores(&self, status: StatusCode, headers: &HeaderMap) -> bool {
-        match &self.store_when {
-            Some(f) => f(status, headers),
-            None if status.is_server_error() => self.store_server_errors,
-            None => !matches!(
-                status,
-                StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_MANY_REQUESTS
-            ),
-        }
-    }
-
     pub(crate) fn reject(&self, rejection: &Rejection) -> Response<Bytes> {
         match &self.rejection {
             Some(f) => f(rejection),
             None => rejection.to_response(),
+        }
+    }
+}
+
+/// Which answers are stored ([`IdempotencyLayer::with_store_when`],
+/// [`IdempotencyLayer::with_store_server_errors`]).
+#[derive(Clone, Default)]
+pub(crate) struct StorePolicy {
+    when: Option<Arc<StoreWhenFn>>,
+    server_errors: bool,
+}
+
+impl StorePolicy {
+    /// Whether an answer with this status and these headers is stored (and replayed to
+    /// retries), or the key released so that a retry runs the handler again. For a gRPC
+    /// answer the status is the one its `grpc-status` stands for (see `crate::grpc`).
+    pub(crate) fn stores(&self, status: StatusCode, headers: &HeaderMap) -> bool {
+        match &self.when {
+            Some(f) => f(status, headers),
+            None if status.is_server_error() => self.server_errors,
+            // "Not now", not "no": 408, 429, and 499 (the call was cancelled).
+            None => !matches!(status.as_u16(), 408 | 429 | 499),
         }
     }
 }
@@ -150,8 +157,8 @@ impl fmt::Debug for Config {
             .field("store_timeout", &self.store_timeout)
             .field("max_request_body", &self.max_request_body)
             .field("max_response_body", &self.max_response_body)
-            .field("store_server_errors", &self.store_server_errors)
-            .field("store_when", &self.store_when.is_some())
+            .field("store_server_errors", &self.store_policy.server_errors)
+            .field("store_when", &self.store_policy.when.is_some())
             .field("keep_set_cookie", &self.keep_set_cookie)
             .field("replayed_headers", &self.replayed_headers)
             .field("fingerprint_headers", &self.fingerprint_headers)
@@ -382,7 +389,7 @@ impl<St> IdempotencyLayer<St> {
     /// so a retry runs the handler again — the handler failed, and retrying is what the client
     /// should do). Ignored once [`with_store_when`](Self::with_store_when) decides.
     pub fn with_store_server_errors(self, store: bool) -> Self {
-        self.with(|c| c.store_server_errors = store)
+        self.with(|c| c.store_policy.server_errors = store)
     }
 
     /// Which answers are stored and replayed to retries, decided on the status and headers the
@@ -409,7 +416,7 @@ impl<St> IdempotencyLayer<St> {
     where
         F: Fn(StatusCode, &HeaderMap) -> bool + Send + Sync + 'static,
     {
-        self.with(|c| c.store_when = Some(Arc::new(store)))
+        self.with(|c| c.store_policy.when = Some(Arc::new(store)))
     }
 
     /// Whether `Set-Cookie` headers are stored and replayed (default `false`; see

@@ -136,8 +136,9 @@
 //! Replays carry the stored headers except hop-by-hop headers, `Date` (a replay is a new
 //! message), `Content-Length` (recomputed) and, by default, `Set-Cookie`: a cookie is usually
 //! a credential, and replaying it hands it to whoever retries with the key. Response trailers
-//! (gRPC's `grpc-status`, for one) reach the client of the first request but are not stored:
-//! a replay has none.
+//! (gRPC's `grpc-status`, for one) are stored with the answer and replayed after its body; a
+//! gRPC answer is stored or not on the HTTP status its `grpc-status` stands for (the README's
+//! "gRPC (tonic)" section).
 //!
 //! # Stores
 //!
@@ -301,6 +302,7 @@ mod error;
 mod extract;
 pub mod fingerprint;
 pub mod future;
+mod grpc;
 #[cfg(feature = "postgres")]
 pub mod inbox;
 #[cfg(feature = "json")]

@@ -12,8 +12,9 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 
 /// A response remembered with its key, replayed for repeats.
 ///
-/// It keeps the status, the headers (less those [`is_replayable_header`] drops) and the
-/// body. When the handler's body was larger than the layer's storage limit, the record keeps
+/// It keeps the status, the headers (less those [`is_replayable_header`] drops), the body and
+/// the trailers (gRPC's `grpc-status` travels in them). When the handler's body was larger
+/// than the layer's storage limit, the record keeps
 /// the status and headers only ([`body`](StoredResponse::body) is `None`); a repeat is then
 /// answered `409` with a problem document that names the original status, and the handler is
 /// not run again.
@@ -27,7 +28,12 @@ struct Inner {
     status: StatusCode,
     headers: HeaderMap,
     body: Option<Bytes>,
+    trailers: Option<HeaderMap>,
 }
+
+/// Between the headers and the trailers in [`StoredResponse::encode_headers`]' output: a name
+/// length of zero, which no header has (a header name is never empty).
+const TRAILERS_FOLLOW: [u8; 2] = [0, 0];
 
 impl StoredResponse {
     /// A complete response.
@@ -36,6 +42,7 @@ impl StoredResponse {
             status,
             headers,
             body: Some(body),
+            trailers: None,
         }))
     }
 
@@ -45,7 +52,20 @@ impl StoredResponse {
             status,
             headers,
             body: None,
+            trailers: None,
         }))
+    }
+
+    /// This response with `trailers` after its body (none when the map is empty).
+    pub fn with_trailers(self, trailers: HeaderMap) -> Self {
+        let mut inner = Arc::try_unwrap(self.0).unwrap_or_else(|shared| (*shared).clone());
+        inner.trailers = (!trailers.is_empty()).then_some(trailers);
+        Self(Arc::new(inner))
+    }
+
+    /// The trailers sent after the body, if there were any.
+    pub fn trailers(&self) -> Option<&HeaderMap> {
+        self.0.trailers.as_ref()
     }
 
     /// The status code.
@@ -78,8 +98,10 @@ impl StoredResponse {
         }
     }
 
-    /// Encodes the headers for storage: for each header, a big-endian `u16` name length,
-    /// the name, a `u32` value length and the value.
+    /// Encodes the headers, and the trailers if any, for storage: for each header, a
+    /// big-endian `u16` name length, the name, a `u32` value length and the value; then, when
+    /// there are trailers, a `u16` zero (no header name is empty) and the trailers the same
+    /// way. An encoding without trailers is the headers alone, as before trailers were kept.
     pub fn encode_headers(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.encoded_headers_len());
         self.encode_headers_into(&mut out);
@@ -88,57 +110,119 @@ impl StoredResponse {
 
     /// The length of [`encode_headers`](StoredResponse::encode_headers)' output.
     pub(crate) fn encoded_headers_len(&self) -> usize {
-        self.0
-            .headers
-            .iter()
-            .map(|(n, v)| 6 + n.as_str().len() + v.len())
-            .sum()
+        let len = |map: &HeaderMap| -> usize {
+            map.iter()
+                .map(|(n, v)| 6 + n.as_str().len() + v.len())
+                .sum()
+        };
+        len(&self.0.headers) + self.0.trailers.as_ref().map_or(0, |t| 2 + len(t))
     }
 
     /// Appends what [`encode_headers`](StoredResponse::encode_headers) returns to `out`, so a
     /// store can write the headers into its own buffer without a second allocation.
     pub(crate) fn encode_headers_into(&self, out: &mut Vec<u8>) {
-        for (name, value) in &self.0.headers {
-            // Header names are far shorter than 64 KiB and values than 4 GiB in any HTTP
-            // implementation (hyper caps a whole head at a few hundred KiB); saturate anyway.
-            let n = name.as_str().as_bytes();
-            out.put_u16(u16::try_from(n.len()).unwrap_or(u16::MAX));
-            out.put_slice(n);
-            out.put_u32(u32::try_from(value.len()).unwrap_or(u32::MAX));
-            out.put_slice(value.as_bytes());
+        encode_map(&self.0.headers, out);
+        if let Some(trailers) = &self.0.trailers {
+            out.put_slice(&TRAILERS_FOLLOW);
+            encode_map(trailers, out);
         }
     }
 
-    /// Decodes headers written by [`encode_headers`](StoredResponse::encode_headers).
+    /// Decodes the headers written by [`encode_headers`](StoredResponse::encode_headers),
+    /// without the trailers.
     ///
     /// # Errors
     ///
     /// [`StoreError::Corrupt`] when the bytes are not a valid encoding.
-    pub fn decode_headers(mut bytes: &[u8]) -> Result<HeaderMap, StoreError> {
-        let corrupt = |what: &'static str| StoreError::Corrupt(what.into());
-        let mut headers = HeaderMap::new();
-        while bytes.has_remaining() {
-            if bytes.remaining() < 2 {
-                return Err(corrupt("truncated header name length"));
-            }
-            let n = usize::from(bytes.get_u16());
-            if bytes.remaining() < n + 4 {
-                return Err(corrupt("truncated header name"));
-            }
-            let name = HeaderName::from_bytes(&bytes[..n])
-                .map_err(|_| corrupt("invalid stored header name"))?;
-            bytes.advance(n);
-            let v = usize::try_from(bytes.get_u32()).map_err(|_| corrupt("header too long"))?;
-            if bytes.remaining() < v {
-                return Err(corrupt("truncated header value"));
-            }
-            let value = HeaderValue::from_bytes(&bytes[..v])
-                .map_err(|_| corrupt("invalid stored header value"))?;
-            bytes.advance(v);
-            headers.append(name, value);
-        }
-        Ok(headers)
+    pub fn decode_headers(bytes: &[u8]) -> Result<HeaderMap, StoreError> {
+        Self::decode_head(bytes).map(|(headers, _)| headers)
     }
+
+    /// Decodes what [`encode_headers`](StoredResponse::encode_headers) wrote: the headers,
+    /// and the trailers when there were any.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Corrupt`] when the bytes are not a valid encoding.
+    pub fn decode_head(bytes: &[u8]) -> Result<(HeaderMap, Option<HeaderMap>), StoreError> {
+        let mut bytes = bytes;
+        let headers = decode_map(&mut bytes)?;
+        if !bytes.has_remaining() {
+            return Ok((headers, None));
+        }
+        // `decode_map` stops only at the end or at the marker, which it leaves.
+        bytes.advance(TRAILERS_FOLLOW.len());
+        let trailers = decode_map(&mut bytes)?;
+        if bytes.has_remaining() {
+            return Err(StoreError::Corrupt("a second set of trailers".into()));
+        }
+        Ok((headers, Some(trailers)))
+    }
+
+    /// A stored answer as a store reads it back: its status, what
+    /// [`encode_headers`](StoredResponse::encode_headers) wrote, and its body (`None` when it
+    /// was too large to store).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Corrupt`] when the head is not a valid encoding.
+    pub fn decode(
+        status: StatusCode,
+        head: &[u8],
+        body: Option<Bytes>,
+    ) -> Result<Self, StoreError> {
+        let (headers, trailers) = Self::decode_head(head)?;
+        Ok(Self(Arc::new(Inner {
+            status,
+            headers,
+            body,
+            trailers: trailers.filter(|t| !t.is_empty()),
+        })))
+    }
+}
+
+/// Appends `map` in the encoding of [`StoredResponse::encode_headers`].
+fn encode_map(map: &HeaderMap, out: &mut Vec<u8>) {
+    for (name, value) in map {
+        // Header names are far shorter than 64 KiB and values than 4 GiB in any HTTP
+        // implementation (hyper caps a whole head at a few hundred KiB); saturate anyway.
+        let n = name.as_str().as_bytes();
+        out.put_u16(u16::try_from(n.len()).unwrap_or(u16::MAX));
+        out.put_slice(n);
+        out.put_u32(u32::try_from(value.len()).unwrap_or(u32::MAX));
+        out.put_slice(value.as_bytes());
+    }
+}
+
+/// Reads headers in the encoding of [`StoredResponse::encode_headers`] up to the end of
+/// `bytes` or up to the trailers' marker, which it leaves in `bytes`.
+fn decode_map(bytes: &mut &[u8]) -> Result<HeaderMap, StoreError> {
+    let corrupt = |what: &'static str| StoreError::Corrupt(what.into());
+    let mut headers = HeaderMap::new();
+    while bytes.has_remaining() {
+        if bytes.starts_with(&TRAILERS_FOLLOW) {
+            break;
+        }
+        if bytes.remaining() < 2 {
+            return Err(corrupt("truncated header name length"));
+        }
+        let n = usize::from(bytes.get_u16());
+        if bytes.remaining() < n + 4 {
+            return Err(corrupt("truncated header name"));
+        }
+        let name = HeaderName::from_bytes(&bytes[..n])
+            .map_err(|_| corrupt("invalid stored header name"))?;
+        bytes.advance(n);
+        let v = usize::try_from(bytes.get_u32()).map_err(|_| corrupt("header too long"))?;
+        if bytes.remaining() < v {
+            return Err(corrupt("truncated header value"));
+        }
+        let value = HeaderValue::from_bytes(&bytes[..v])
+            .map_err(|_| corrupt("invalid stored header value"))?;
+        bytes.advance(v);
+        headers.append(name, value);
+    }
+    Ok(headers)
 }
 
 /// Whether a response header is stored and replayed, before the layer's
@@ -282,6 +366,42 @@ mod tests {
             decoded.get_all("x-multi").iter().collect::<Vec<_>>(),
             ["1", "2"]
         );
+    }
+
+    #[test]
+    fn trailers_round_trip_after_the_headers_and_old_encodings_read_without_them() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
+        let mut t = HeaderMap::new();
+        t.insert("grpc-status", HeaderValue::from_static("0"));
+        t.append("x-multi", HeaderValue::from_static("1"));
+        t.append("x-multi", HeaderValue::from_static("2"));
+        let plain = StoredResponse::new(StatusCode::OK, h.clone(), Bytes::from_static(b"m"));
+        let with = plain.clone().with_trailers(t.clone());
+        let enc = with.encode_headers();
+        assert_eq!(enc.len(), with.encoded_headers_len());
+        // Without trailers, the encoding is the headers alone, as it always was.
+        assert!(enc.starts_with(&plain.encode_headers()));
+        assert_eq!(plain.encode_headers().len(), plain.encoded_headers_len());
+        let decoded =
+            StoredResponse::decode(StatusCode::OK, &enc, Some(Bytes::from_static(b"m"))).unwrap();
+        assert_eq!(decoded, with);
+        assert_eq!(decoded.trailers(), Some(&t));
+        assert_eq!(StoredResponse::decode_headers(&enc).unwrap(), h);
+        let old = StoredResponse::decode(StatusCode::OK, &plain.encode_headers(), None).unwrap();
+        assert_eq!(old.trailers(), None);
+        // Empty trailers are no trailers.
+        assert_eq!(plain.clone().with_trailers(HeaderMap::new()), plain);
+        // A second marker, or a truncated trailer, is corrupt, never a panic.
+        let mut twice = enc.clone();
+        twice.extend_from_slice(&TRAILERS_FOLLOW);
+        assert!(StoredResponse::decode_head(&twice).is_err());
+        for cut in 0..enc.len() {
+            let _ = StoredResponse::decode_head(&enc[..cut]);
+        }
     }
 
     #[test]

@@ -16,8 +16,9 @@ use crate::body::{Chunks, RequestBody, ResponseBody};
 use crate::error::{BoxError, StoreError};
 use crate::fingerprint::{Fingerprint, Fingerprinter};
 use crate::future::{BoxResponseFuture, ResponseFuture};
+use crate::grpc;
 use crate::key::IdempotencyKey;
-use crate::layer::{Config, KeySource};
+use crate::layer::{Config, KeySource, StorePolicy};
 use crate::mode::{Keyed, Mode, Sealed};
 use crate::rejection::Rejection;
 use crate::response::{
@@ -558,7 +559,14 @@ where
 /// default a `5xx`, `408` and `429`) and for a body that failed: those release the key
 /// instead.
 pub(crate) fn to_store<B: Body>(config: &Config, response: Response<B>) -> ToStore<B> {
-    if !config.stores(response.status(), response.headers()) {
+    let grpc = grpc::is_grpc(response.headers());
+    // A gRPC answer's outcome is its `grpc-status`: in the headers of a trailers-only answer,
+    // else in the trailers, read with the body (below).
+    let status = grpc
+        .then(|| grpc::status_in(response.headers()))
+        .flatten()
+        .unwrap_or(response.status());
+    if !config.store_policy.stores(status, response.headers()) {
         return ToStore(Some(Answer::Unstored(response)));
     }
     let (parts, body) = response.into_parts();
@@ -571,6 +579,7 @@ pub(crate) fn to_store<B: Body>(config: &Config, response: Response<B>) -> ToSto
         limit: config.max_response_body,
         keep_set_cookie: config.keep_set_cookie,
         policy: config.replayed_headers.clone(),
+        grpc: grpc.then(|| config.store_policy.clone()),
     }))
 }
 
@@ -579,7 +588,7 @@ pub(crate) struct ToStore<B: Body>(Option<Answer<B>>);
 
 enum Answer<B: Body> {
     Unstored(Response<B>),
-    /// Reads the body up to `limit` bytes. Trailers are passed on to the client, not stored.
+    /// Reads the body up to `limit` bytes, and its trailers, which are stored with it.
     Reading {
         parts: http::response::Parts,
         body: Pin<Box<B>>,
@@ -589,6 +598,9 @@ enum Answer<B: Body> {
         limit: usize,
         keep_set_cookie: bool,
         policy: ReplayedHeaders,
+        /// A gRPC answer: whether it is stored is decided again on the `grpc-status` of its
+        /// trailers.
+        grpc: Option<StorePolicy>,
     },
 }
 
@@ -676,9 +688,19 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
                 trailers,
                 keep_set_cookie,
                 policy,
+                grpc,
                 ..
             } => {
                 let mut parts = parts;
+                // A gRPC call that failed in a way its retry may not (its `grpc-status` stands
+                // for a status the policy does not store): released, as that status would be.
+                if let (Read::Complete, Some(policy), Some(status)) =
+                    (&read, &grpc, trailers.as_deref().and_then(grpc::status_in))
+                    && !policy.stores(status, &parts.headers)
+                {
+                    let body = ResponseBody::full_with_trailers(chunks.into_bytes(), trailers);
+                    return Poll::Ready((Response::from_parts(parts, body), None));
+                }
                 // An answer whose headers are all stored lends them to what is stored (most
                 // do): the response gets them back once the store is done with it (see
                 // `Keep`), instead of a copy of the map.
@@ -698,7 +720,10 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
                 let (body, stored) = match read {
                     Read::Complete => {
                         let bytes = chunks.into_bytes();
-                        let stored = stored(Some(bytes.clone()));
+                        let mut stored = stored(Some(bytes.clone()));
+                        if let Some(trailers) = &trailers {
+                            stored.answer = stored.answer.with_trailers((**trailers).clone());
+                        }
                         (
                             ResponseBody::full_with_trailers(bytes, trailers),
                             Some(stored),
@@ -763,6 +788,7 @@ pub(crate) fn replay<B: Body>(
     config: &Config,
     stored: StoredResponse,
 ) -> Response<ResponseBody<B>> {
+    let trailers = stored.trailers().cloned();
     let (status, mut headers, body) = stored.into_parts();
     let Some(body) = body else {
         return render(
@@ -773,7 +799,10 @@ pub(crate) fn replay<B: Body>(
         );
     };
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    let mut res = Response::new(ResponseBody::full(body));
+    let mut res = Response::new(ResponseBody::full_with_trailers(
+        body,
+        trailers.map(Box::new),
+    ));
     *res.status_mut() = status;
     *res.headers_mut() = headers;
     res

@@ -974,6 +974,36 @@ async fn settings_that_would_turn_the_layer_off_are_refused<F: Fixture>(fx: &F) 
     );
 }
 
+/// A gRPC answer's trailers (its `grpc-status`) are stored with it and replayed after the
+/// body, by every store.
+async fn trailers_are_stored_and_replayed<F: Fixture>(fx: &F) {
+    let calls = Calls::default();
+    let svc = layer(fx.store()).layer(support::handler(calls.clone()));
+    let send = || async {
+        let res = svc
+            .clone()
+            .oneshot(req("POST", "/grpc", Some("k"), ""))
+            .await
+            .unwrap();
+        let (parts, body) = res.into_parts();
+        let collected = http_body_util::BodyExt::collect(body).await.unwrap();
+        (
+            parts.headers,
+            collected.trailers().cloned(),
+            collected.to_bytes(),
+        )
+    };
+    let (_, first_trailers, first_body) = send().await;
+    let (headers, trailers, body) = send().await;
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(headers["content-type"], "application/grpc");
+    assert_eq!(body, first_body);
+    let trailers = trailers.expect("the replay has the trailers");
+    assert_eq!(Some(&trailers), first_trailers.as_ref());
+    assert_eq!(trailers["grpc-status"], "0");
+    assert_eq!(calls.get("/grpc"), 1);
+}
+
 async fn handler_sees_the_key<F: Fixture>(fx: &F) {
     let calls = Calls::default();
     let app = build(layer(fx.store()), &calls);
@@ -1197,6 +1227,7 @@ suite!(
     concurrent_repeat_is_409_with_retry_after,
     server_errors_release_the_key,
     client_errors_are_stored,
+    trailers_are_stored_and_replayed,
     a_response_body_limit_of_zero_keeps_status_and_headers_only,
     settings_that_would_turn_the_layer_off_are_refused,
     rate_limited_and_timed_out_answers_are_not_stored,

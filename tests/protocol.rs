@@ -237,17 +237,25 @@ async fn a_body_of_one_byte_frames_reaches_the_handler_whole_in_few_frames() {
 
 // --- Response trailers --------------------------------------------------------------------------
 
+/// Trailers are stored with the answer and replayed after its body, byte for byte: a gRPC
+/// call's outcome (`grpc-status`) travels in them. (With or without a body.)
 #[tokio::test]
-async fn trailers_reach_the_first_client_and_are_not_replayed() {
+async fn trailers_are_stored_and_replayed_after_the_body() {
     let mut trailers = HeaderMap::new();
     trailers.insert("grpc-status", HeaderValue::from_static("0"));
     trailers.insert("grpc-message", HeaderValue::from_static("ok"));
     for data in [&b"answer"[..], b""] {
+        let calls = Arc::new(AtomicUsize::new(0));
         let handler = {
             let trailers = trailers.clone();
+            let calls = calls.clone();
             service_fn(move |_: Request<RequestBody<Frames>>| {
+                calls.fetch_add(1, Ordering::SeqCst);
                 let body = Frames::data([Bytes::from_static(data)]).with_trailers(trailers.clone());
-                async move { Ok::<_, Infallible>(Response::new(body)) }
+                let mut res = Response::new(body);
+                res.headers_mut()
+                    .insert("content-type", HeaderValue::from_static("application/grpc"));
+                async move { Ok::<_, Infallible>(res) }
             })
         };
         let svc = IdempotencyLayer::new(MemoryStore::new()).layer(handler);
@@ -258,11 +266,65 @@ async fn trailers_reach_the_first_client_and_are_not_replayed() {
         assert_eq!(first.body, data);
         assert_eq!(first.trailers.as_ref(), Some(&trailers), "{data:?}");
 
-        // Trailers are not stored: the replay has the body and no trailers.
         let again = read(svc.oneshot(req()).await.unwrap()).await;
         assert_eq!(again.headers["idempotent-replayed"], "true");
+        assert_eq!(again.headers["content-type"], "application/grpc");
         assert_eq!(again.body, data);
-        assert_eq!(again.trailers, None);
+        assert_eq!(again.trailers.as_ref(), Some(&trailers), "{data:?}");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+}
+
+/// A gRPC call is answered `200` whatever its outcome; the layer stores it or not on the
+/// status its `grpc-status` stands for. `UNAVAILABLE` (in the trailers, or in the headers of
+/// a trailers-only answer) and `RESOURCE_EXHAUSTED` are not stored, like a `503` and a `429`:
+/// the retry runs the handler again. `NOT_FOUND` is stored, like a `404`.
+#[tokio::test]
+async fn grpc_answers_are_stored_or_not_on_their_grpc_status() {
+    for (code, trailers_only, stored) in [
+        ("14", false, false),
+        ("14", true, false),
+        ("8", false, false),
+        ("5", false, true),
+        ("0", false, true),
+    ] {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let calls = calls.clone();
+            service_fn(move |_: Request<RequestBody<Frames>>| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let mut outcome = HeaderMap::new();
+                outcome.insert("grpc-status", HeaderValue::from_static(code));
+                let mut res = if trailers_only {
+                    let mut res = Response::new(Frames::data([]));
+                    res.headers_mut().extend(outcome);
+                    res
+                } else {
+                    Response::new(
+                        Frames::data([Bytes::from_static(b"\0\0\0\0\0")]).with_trailers(outcome),
+                    )
+                };
+                res.headers_mut()
+                    .insert("content-type", HeaderValue::from_static("application/grpc"));
+                async move { Ok::<_, Infallible>(res) }
+            })
+        };
+        let svc = IdempotencyLayer::new(MemoryStore::new()).layer(handler);
+        let req = || post(&[("idempotency-key", "k")], Frames::data([]));
+        let first = read(svc.clone().oneshot(req()).await.unwrap()).await;
+        assert_eq!(first.status, StatusCode::OK);
+        let again = read(svc.oneshot(req()).await.unwrap()).await;
+        let label = format!("grpc-status {code}, trailers-only {trailers_only}");
+        assert_eq!(
+            again.headers.contains_key("idempotent-replayed"),
+            stored,
+            "{label}"
+        );
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            if stored { 1 } else { 2 },
+            "{label}"
+        );
     }
 }
 

@@ -738,12 +738,12 @@ pub(crate) fn decode_response(row: &PgRow) -> Result<StoredResponse, StoreError>
         .and_then(|s| StatusCode::from_u16(s).ok())
         .ok_or_else(|| StoreError::Corrupt("invalid stored status".into()))?;
     let headers: Option<Vec<u8>> = row.try_get("response_headers")?;
-    let headers = StoredResponse::decode_headers(headers.as_deref().unwrap_or_default())?;
     let body: Option<Vec<u8>> = row.try_get("response_body")?;
-    Ok(match body {
-        Some(b) => StoredResponse::new(status, headers, Bytes::from(b)),
-        None => StoredResponse::without_body(status, headers),
-    })
+    StoredResponse::decode(
+        status,
+        headers.as_deref().unwrap_or_default(),
+        body.map(Bytes::from),
+    )
 }
 
 impl Store for PostgresStore {

@@ -304,6 +304,28 @@ impl Calls {
     }
 }
 
+/// A body of one chunk and trailers.
+pub struct WithTrailers {
+    pub data: Option<Bytes>,
+    pub trailers: Option<http::HeaderMap>,
+}
+
+impl http_body::Body for WithTrailers {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        let frame = match self.data.take() {
+            Some(data) => Some(http_body::Frame::data(data)),
+            None => self.trailers.take().map(http_body::Frame::trailers),
+        };
+        std::task::Poll::Ready(frame.map(Ok))
+    }
+}
+
 /// The test handler. What it does depends on the path:
 ///
 /// - `/slow?ms=N`: sleeps N ms, then answers like `/ok`;
@@ -311,6 +333,7 @@ impl Calls {
 /// - `/limited`, `/timeout`: `429`, `408` on their first call, then like anything else;
 /// - `/big?n=N`: `200` with N bytes, streamed in 1 KiB chunks;
 /// - `/key`: `200` with the key the layer inserted into the extensions;
+/// - `/grpc`: a gRPC answer, one message and `grpc-status: 0` in the trailers;
 /// - anything else: `201` echoing the method, body and call count, with
 ///   `content-type`, `x-custom`, `set-cookie` and `date` headers.
 pub fn handler(
@@ -364,6 +387,20 @@ pub fn handler(
                 "/panic" => panic!("handler panicked on purpose"),
                 "/error" => return Err(std::io::Error::other("service error")),
                 "/key" => return Ok(full(StatusCode::OK, key.unwrap_or_default())),
+                "/grpc" => {
+                    // A gRPC answer: one message, then the outcome in the trailers.
+                    let mut trailers = http::HeaderMap::new();
+                    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+                    trailers.insert("grpc-message", HeaderValue::from(n));
+                    let body = WithTrailers {
+                        data: Some(Bytes::from(format!("message #{n}"))),
+                        trailers: Some(trailers),
+                    };
+                    let mut res = Response::new(body.boxed_unsync());
+                    res.headers_mut()
+                        .insert("content-type", HeaderValue::from_static("application/grpc"));
+                    return Ok(res);
+                }
                 "/headers" => {
                     // Only headers that are stored: the answer lends them all to the store.
                     let mut res = full(StatusCode::CREATED, format!("call #{n}"));

@@ -52,12 +52,8 @@ impl Answer {
         let (headers, body) = buf
             .split_at_checked(n)
             .ok_or_else(|| corrupt("truncated headers"))?;
-        let headers = StoredResponse::decode_headers(headers)?;
-        Ok(if has_body {
-            StoredResponse::new(status, headers, Bytes::copy_from_slice(body))
-        } else {
-            StoredResponse::without_body(status, headers)
-        })
+        let body = has_body.then(|| Bytes::copy_from_slice(body));
+        StoredResponse::decode(status, headers, body)
     }
 }
 

@@ -636,12 +636,9 @@ fn decode_claim(reply: &[Value]) -> Result<ClaimOutcome, StoreError> {
                 .and_then(|s| u16::try_from(s).ok())
                 .and_then(|s| StatusCode::from_u16(s).ok())
                 .ok_or_else(|| StoreError::Corrupt("invalid stored status".into()))?;
-            let headers = reply.get(2).and_then(bytes_of).unwrap_or_default();
-            let headers = StoredResponse::decode_headers(headers)?;
-            ClaimOutcome::Completed(match reply.get(3).and_then(bytes_of) {
-                Some(body) => StoredResponse::new(status, headers, Bytes::copy_from_slice(body)),
-                None => StoredResponse::without_body(status, headers),
-            })
+            let head = reply.get(2).and_then(bytes_of).unwrap_or_default();
+            let body = reply.get(3).and_then(bytes_of).map(Bytes::copy_from_slice);
+            ClaimOutcome::Completed(StoredResponse::decode(status, head, body)?)
         }
         _ => return Err(corrupt("claim")),
     })
