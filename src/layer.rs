@@ -397,9 +397,10 @@ impl<St> IdempotencyLayer<St> {
     /// and a retry runs the handler again (in transactional mode, its writes are rolled back,
     /// as for a `5xx`).
     ///
-    /// By default every `2xx`, `3xx` and `4xx` answer is stored except `408 Request Timeout`
-    /// and `429 Too Many Requests`, which say "not now" rather than "no": stored, a client
-    /// rate-limited once would be rate-limited on every retry for the whole TTL. `5xx` answers
+    /// By default every `2xx`, `3xx` and `4xx` answer is stored except `408 Request Timeout`,
+    /// `429 Too Many Requests` and `499` (the call was cancelled: gRPC's `CANCELLED`), which
+    /// say "not now" rather than "no": stored, a client rate-limited once would be
+    /// rate-limited on every retry for the whole TTL. `5xx` answers
     /// are not stored ([`with_store_server_errors`](Self::with_store_server_errors)). A
     /// predicate given here replaces that whole rule, `5xx` included.
     ///

@@ -69,11 +69,11 @@
 //! | completed | the stored status, headers and body replayed with `Idempotent-Replayed: true`; handler not run |
 //! | any, with another fingerprint | `422 Unprocessable Content`; handler not run; record unchanged |
 //!
-//! When the handler answers, the layer stores its answer (2xx, 3xx and 4xx but `408` and
-//! `429`; 5xx only with
+//! When the handler answers, the layer stores its answer (2xx, 3xx and 4xx but `408`, `429`
+//! and `499`; 5xx only with
 //! [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors); any rule with
 //! [`with_store_when`](IdempotencyLayer::with_store_when)) and the key becomes *completed* for
-//! the TTL. An answer not stored (a `5xx`, a `408` or `429`), a handler error or a panic
+//! the TTL. An answer not stored (a `5xx`, a `408`, `429` or `499`), a handler error or a panic
 //! **releases** the key, so a retry runs the handler again (the panic goes on in the response
 //! future).
 //!
@@ -194,7 +194,7 @@
 //! | [`with_max_request_body`](IdempotencyLayer::with_max_request_body) | 1 MiB |
 //! | [`with_max_response_body`](IdempotencyLayer::with_max_response_body) | 1 MiB |
 //! | [`with_store_server_errors`](IdempotencyLayer::with_store_server_errors) | `false` |
-//! | [`with_store_when`](IdempotencyLayer::with_store_when) | every answer but `408`, `429` and `5xx` |
+//! | [`with_store_when`](IdempotencyLayer::with_store_when) | every answer but `408`, `429`, `499` and `5xx` |
 //! | [`with_replayed_set_cookie`](IdempotencyLayer::with_replayed_set_cookie) | `false` |
 //! | [`with_fingerprint_headers`](IdempotencyLayer::with_fingerprint_headers) | none |
 //! | [`with_json_fingerprint`](IdempotencyLayer::with_json_fingerprint) (feature `json`) / [`with_fingerprint_fn`](IdempotencyLayer::with_fingerprint_fn) | the raw bytes of the body |

@@ -285,6 +285,7 @@ async fn grpc_answers_are_stored_or_not_on_their_grpc_status() {
         ("14", false, false),
         ("14", true, false),
         ("8", false, false),
+        ("1", false, false),
         ("5", false, true),
         ("0", false, true),
     ] {
