@@ -532,7 +532,8 @@ fn claim_batch(
     );
     push_bounds(&mut sql, statement_timeout, lock_timeout);
     sql.push_str(
-        "SELECT 'claim' AS step, c.*, pg_backend_pid() AS backend FROM tower_idempotency_claim_tx(",
+        "SELECT 'claim' AS step, c.*, pg_backend_pid() AS backend, \
+         current_setting('transaction_isolation') AS isolation FROM tower_idempotency_claim_tx(",
     );
     sql.push_str(&lock_id(scope, key).to_string());
     for arg in [&s_arg, &k_arg, &fp_arg] {
@@ -577,12 +578,15 @@ fn checked_row_id(row: &str) -> Result<&str, StoreError> {
 /// taken when this statement runs), then `COMMIT`; `rollback_handler` first rolls the
 /// handler's writes back to the savepoint (the handler left the transaction aborted).
 ///
-/// With `notify`, the key's waiters are woken **after** the commit, in a `READ COMMITTED`
-/// transaction of its own: inside the request's transaction the look for waiters would read
-/// the snapshot taken before the handler ran under `REPEATABLE READ` and `SERIALIZABLE`, blind
-/// to every waiter that registered since (left to its recheck), and under `SERIALIZABLE` that
-/// read of the waiters' table would tie the request to every registration (serialization
-/// failures among requests for different keys).
+/// With `notify`, the completion also wakes the key's waiters. Under `READ COMMITTED` it looks
+/// for them in the request's transaction, in the completion's statement, whose snapshot is
+/// taken then. Under `REPEATABLE READ` and `SERIALIZABLE` it looks **after** the commit, in a
+/// `READ COMMITTED` transaction of its own: inside the request's transaction the look would
+/// read the snapshot taken before the handler ran, blind to every waiter that registered since
+/// (left to its recheck), and under `SERIALIZABLE` it would tie the request to every
+/// registration. (That transaction costs a `READ COMMITTED` request a third of a minimal
+/// transaction's throughput, measured in BENCHMARKS.md, so it is kept for the levels that
+/// need it.)
 fn completion_batch(
     claimed: &Placeholder,
     ttl: Duration,
@@ -624,10 +628,18 @@ fn completion_batch(
         Some(body) => push_bytea(&mut sql, body),
         None => sql.push_str("NULL"),
     }
+    let after_commit = match notify {
+        Some(hash) if claimed.read_committed => {
+            sql.push(',');
+            sql.push_str(&hash.to_string());
+            None
+        }
+        other => other,
+    };
     sql.push_str("); COMMIT");
     // The completion and the commit.
     statements += 2;
-    if let Some(hash) = notify {
+    if let Some(hash) = after_commit {
         sql.push_str("; BEGIN ISOLATION LEVEL READ COMMITTED; SELECT tower_idempotency_wake(");
         sql.push_str(&hash.to_string());
         sql.push_str("); COMMIT");
@@ -680,6 +692,9 @@ struct Placeholder {
     key: String,
     /// The server process of the transaction's connection.
     backend: Option<i32>,
+    /// Whether the transaction runs at `READ COMMITTED` (each statement sees what was
+    /// committed before it).
+    read_committed: bool,
 }
 
 /// Opens the request's transaction with the key claimed in it (`Ok(Ok(_))`), or says who
@@ -740,6 +755,8 @@ async fn claim(
                     scope: scope.to_owned(),
                     key: key.to_owned(),
                     backend: claim.try_get("backend").ok(),
+                    read_committed: claim.try_get::<&str, _>("isolation").ok()
+                        == Some("read committed"),
                 };
                 return Ok(Ok((tx, placeholder)));
             }
@@ -974,7 +991,8 @@ mod tests {
         assert!(claim.starts_with("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SELECT 'look'"));
         assert!(claim.contains("; COMMIT; BEGIN; SELECT set_config("));
         assert!(claim.contains(
-            "true); SELECT 'claim' AS step, c.*, pg_backend_pid() AS backend \
+            "true); SELECT 'claim' AS step, c.*, pg_backend_pid() AS backend, \
+                 current_setting('transaction_isolation') AS isolation \
                  FROM tower_idempotency_claim_tx("
         ));
         assert!(claim.contains(",E't',E'k',decode('0102','hex')) AS c; SELECT set_config("));
@@ -1005,6 +1023,7 @@ mod tests {
             scope: "t".into(),
             key: "k".into(),
             backend: None,
+            read_committed: false,
         };
         let ttl = Duration::from_secs(1);
         let done = completion_batch(&placeholder, ttl, &stored, false, unbounded, None).unwrap();
@@ -1021,12 +1040,25 @@ mod tests {
             "ROLLBACK TO SAVEPOINT tower_idempotency_handler; SET LOCAL statement_timeout = 5000; \
              SET LOCAL lock_timeout = 1000; SELECT "
         ));
-        // The wake-up comes after the request's COMMIT, in a transaction of its own that sees
-        // the waiters registered while the handler ran.
+        // Above READ COMMITTED the wake-up comes after the request's COMMIT, in a transaction
+        // of its own that sees the waiters registered while the handler ran.
         assert!(again.ends_with(
             ",decode('7b7d','hex')); COMMIT; BEGIN ISOLATION LEVEL READ COMMITTED; \
              SELECT tower_idempotency_wake(42); COMMIT"
         ));
+        // At READ COMMITTED the completion's own statement looks, with a snapshot of its own.
+        let read_committed = Placeholder {
+            read_committed: true,
+            ..placeholder
+        };
+        let rc =
+            completion_batch(&read_committed, ttl, &stored, false, unbounded, Some(42)).unwrap();
+        assert_eq!(rc.through_commit, 2);
+        assert!(
+            rc.sql.ends_with(",decode('7b7d','hex'),42); COMMIT"),
+            "{}",
+            rc.sql
+        );
     }
 
     #[test]

@@ -640,8 +640,7 @@ fn statements(queries: &[String]) -> Vec<String> {
 /// Close of its portal) + Sync. The handler alone in its own transaction costs `BEGIN`,
 /// 1 Execute, `COMMIT`: three round trips. Behind the layer the claim is one simple Query
 /// message (the look in a read-only transaction of its own, then the request's `BEGIN`, the
-/// claim and a savepoint) and the completion another (the completion and `COMMIT`, then the
-/// look for the key's waiters in a transaction of its own), so the
+/// claim and a savepoint) and the completion another (the completion and `COMMIT`), so the
 /// same handler costs the same three round trips, with one commit. (Sync messages are not
 /// asserted: besides one per statement, sqlx sends a varying number of them to check pooled
 /// connections.) A replay costs the claim's message alone: the look returns the record; the
@@ -698,10 +697,6 @@ async fn transactional_mode_adds_two_statements_and_no_commit() {
             "SET statement_timeout",
             "SET lock_timeout",
             "tower_idempotency_complete_tx",
-            "COMMIT",
-            // The key's waiters, looked for after the commit (the same message).
-            "BEGIN ISOLATION LEVEL READ COMMITTED",
-            "tower_idempotency_wake",
             "COMMIT",
         ],
         "{first_q:?}"

@@ -451,12 +451,14 @@ async fn an_expired_record_purged_during_its_takeover_is_claimed_anew() {
         let app = app.clone();
         async move { app(req("POST", "/pay", Some("k"), "b")).await }
     });
-    // Until the request's takeover waits for the purge's lock.
+    // Until the request's takeover waits for the purge's lock. (The claim's message is found
+    // by its first statement: `pg_stat_activity` keeps a query's first 1024 bytes only.)
     let mut waited = false;
     for _ in 0..500 {
         let (waiting,): (i64,) = sqlx::query_as(
             "SELECT count(*) FROM pg_stat_activity \
-              WHERE wait_event_type = 'Lock' AND query LIKE '%tower_idempotency_claim_tx%'",
+              WHERE wait_event_type = 'Lock' \
+                AND query LIKE 'BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; %'",
         )
         .fetch_one(&fx.admin)
         .await
