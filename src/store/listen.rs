@@ -2,9 +2,9 @@
 //!
 //! A waiting duplicate registers its key's hash in `tower_idempotency_waiting` (migration 7)
 //! for a while. Plain mode's completions and releases look the hash up in their own
-//! statement; transactional mode's commits and rollbacks right after they end, in a `READ
-//! COMMITTED` transaction of their own (the request's snapshot may date from before the
-//! waiter came). Either sends `NOTIFY tower_idempotency, '<key hash>'` only when the hash is
+//! statement; transactional mode's completions in theirs at `READ COMMITTED`, and above it
+//! right after the commit, in a `READ COMMITTED` transaction of their own (the request's
+//! snapshot dates from before the waiter came); rollbacks right after they end. Either sends `NOTIFY tower_idempotency, '<key hash>'` only when the hash is
 //! there. One listening connection per store (not taken from the application's pool)
 //! wakes the waiting duplicates of its process.
 
