@@ -12,7 +12,8 @@ use support::{Calls, PgSchema, read, req};
 use tower::{Layer, ServiceExt};
 use tower_idempotency::inbox::{Delivery, Inbox};
 use tower_idempotency::{
-    ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyLayer, PostgresStore, Store, StoreError,
+    ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyLayer, Mode, PostgresStore, Store,
+    StoreError,
 };
 
 /// A direct connection into the test's schema (not from the store's pool).
@@ -47,12 +48,14 @@ async fn expired_record(store: &PostgresStore) {
     tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
-/// Another transaction holds the key's row (as a transactional-mode request on the same key
-/// does while its handler runs): a plain-mode claim waits for the row no longer than the
-/// store's lock timeout, then answers "in flight" (`409`) — without running the handler —
-/// and runs once when the row is free.
-#[tokio::test]
-async fn a_claim_blocked_on_the_keys_row_answers_409_after_the_lock_timeout() {
+/// Another transaction holds the key's expired record's row (as a transactional-mode request
+/// on the same key does while its handler runs, or a purge's batch that is about to delete
+/// it): a claim, in either mode, waits for the row no longer than the store's lock timeout,
+/// then answers "in flight" (`409` with `Retry-After`, never `503`) without running the
+/// handler, and runs once when the row is free.
+async fn blocked_claim_answers_409_after_the_lock_timeout<M: Mode>(
+    mode: impl FnOnce(&PostgresStore) -> M,
+) {
     let schema = PgSchema::new().await;
     let store = schema
         .store()
@@ -67,11 +70,12 @@ async fn a_claim_blocked_on_the_keys_row_answers_409_after_the_lock_timeout() {
         .unwrap();
 
     let calls = Calls::default();
-    let svc = IdempotencyLayer::new(store.clone()).layer(support::handler(calls.clone()));
+    let svc = IdempotencyLayer::new(mode(&store)).layer(support::handler(calls.clone()));
     let send = || svc.clone().oneshot(req("POST", "/pay", Some("k"), "b"));
     let started = Instant::now();
     let blocked = read(send().await.unwrap()).await;
     blocked.assert_problem(409, "request-in-progress");
+    assert!(blocked.headers.contains_key("retry-after"));
     let waited = started.elapsed();
     // The bound is 200 ms; the margin is for a loaded 2-core machine. Without a lock
     // timeout the claim waits for the holder (here: forever).
@@ -88,44 +92,14 @@ async fn a_claim_blocked_on_the_keys_row_answers_409_after_the_lock_timeout() {
     schema.drop_schema().await;
 }
 
-/// The same in transactional mode: another transaction holds the expired record's row (a
-/// purge's batch locks the records it is about to delete); the claim's takeover waits no
-/// longer than the store's lock timeout, then answers "in flight" (`409`, as plain mode
-/// does), not `503`; once the row is free the handler runs, once.
+#[tokio::test]
+async fn a_claim_blocked_on_the_keys_row_answers_409_after_the_lock_timeout() {
+    blocked_claim_answers_409_after_the_lock_timeout(PostgresStore::clone).await;
+}
+
 #[tokio::test]
 async fn a_transactional_claim_blocked_on_the_keys_row_answers_409_after_the_lock_timeout() {
-    let schema = PgSchema::new().await;
-    let store = schema
-        .store()
-        .await
-        .with_lock_timeout(Duration::from_millis(200));
-    expired_record(&store).await;
-
-    let mut holder = direct(&schema).await;
-    sqlx::raw_sql("BEGIN; SELECT * FROM tower_idempotency_keys WHERE key = 'k' FOR UPDATE")
-        .execute(&mut holder)
-        .await
-        .unwrap();
-
-    let calls = Calls::default();
-    let svc = IdempotencyLayer::new(store.transactional()).layer(support::handler(calls.clone()));
-    let send = || svc.clone().oneshot(req("POST", "/pay", Some("k"), "b"));
-    let started = Instant::now();
-    let blocked = read(send().await.unwrap()).await;
-    blocked.assert_problem(409, "request-in-progress");
-    assert!(blocked.headers.contains_key("retry-after"));
-    let waited = started.elapsed();
-    assert!(waited < Duration::from_secs(4), "waited {waited:?}");
-    assert_eq!(calls.total(), 0);
-
-    sqlx::raw_sql("ROLLBACK")
-        .execute(&mut holder)
-        .await
-        .unwrap();
-    let after = read(send().await.unwrap()).await;
-    assert_eq!(after.status, 201, "{}", after.text());
-    assert_eq!(calls.get("/pay"), 1);
-    schema.drop_schema().await;
+    blocked_claim_answers_409_after_the_lock_timeout(PostgresStore::transactional).await;
 }
 
 /// With no lock timeout, the store's statement timeout still bounds the wait: the claim
