@@ -59,6 +59,13 @@ pub enum ConfigError {
     /// nothing would ever be purged.
     #[error("the purge batch must hold at least one record")]
     ZeroPurgeBatch,
+    /// A status given to
+    /// [`IdempotentClientLayer::with_retry_statuses`](crate::client::IdempotentClientLayer::with_retry_statuses)
+    /// that is not a `4xx` or a `5xx`. Only those say that a request failed: a `1xx` is not a
+    /// final answer, a `2xx` is the success the call waits for, and a `3xx` points elsewhere
+    /// (sending the same request again gets the same redirect).
+    #[error("status {0} cannot be retried: only 4xx and 5xx answers say that a request failed")]
+    NotRetryable(http::StatusCode),
     /// [`spawn_purge_task`](crate::store::spawn_purge_task) was called outside a Tokio
     /// runtime.
     #[error("the purge task needs a Tokio runtime (with its time driver enabled)")]

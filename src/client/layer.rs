@@ -7,8 +7,9 @@ use std::time::Duration;
 use http::{HeaderName, StatusCode};
 use tower_layer::Layer;
 
-use super::retry::{ConnectionErrors, InvalidRetryStatus, RetryStatuses};
+use super::retry::{ConnectionErrors, RetryStatuses};
 use super::service::IdempotentClient;
+use crate::error::ConfigError;
 use crate::key::{KeyError, Purpose};
 use crate::layer::IDEMPOTENCY_KEY;
 
@@ -181,19 +182,22 @@ impl<C> IdempotentClientLayer<C> {
     ///
     /// // A success is never retried: refused here, not at the first call.
     /// let refused = IdempotentClientLayer::new("charge")?.with_retry_statuses([StatusCode::OK]);
-    /// assert_eq!(refused.unwrap_err().status(), StatusCode::OK);
+    /// assert_eq!(
+    ///     refused.err(),
+    ///     Some(tower_idempotency::ConfigError::NotRetryable(StatusCode::OK))
+    /// );
     /// # let _ = layer;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     ///
     /// # Errors
     ///
-    /// [`InvalidRetryStatus`], naming the first status that is not a `4xx` or a `5xx` (a
+    /// [`ConfigError::NotRetryable`], naming the first status that is not a `4xx` or a `5xx` (a
     /// `1xx`, a `2xx` success, a `3xx` redirect, or one of `600` to `999`).
     pub fn with_retry_statuses(
         self,
         statuses: impl IntoIterator<Item = StatusCode>,
-    ) -> Result<Self, InvalidRetryStatus> {
+    ) -> Result<Self, ConfigError> {
         let statuses = RetryStatuses::new(statuses)?;
         Ok(self.with(|c| c.retry_statuses = statuses))
     }

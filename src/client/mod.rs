@@ -71,7 +71,7 @@
 //!
 //! **Statuses.** [`with_retry_statuses`](IdempotentClientLayer::with_retry_statuses)
 //! replaces the set (only `4xx` and `5xx`; anything else is refused with
-//! [`InvalidRetryStatus`] when the layer is configured; an empty set retries no answer).
+//! [`ConfigError::NotRetryable`](crate::ConfigError::NotRetryable) when the layer is configured; an empty set retries no answer).
 //! A `409` in the set is retried only when it carries a `Retry-After`. The server layer's
 //! `409 request-in-progress` always does, and its `409 response-not-stored` never does; the
 //! header, not the problem document's `type`, is what the client reads, because the
@@ -155,7 +155,7 @@ use std::time::Duration;
 pub use body::ReplayBody;
 pub use future::ResponseFuture;
 pub use layer::IdempotentClientLayer;
-pub use retry::{ClassifyError, ConnectionErrors, InvalidRetryStatus};
+pub use retry::{ClassifyError, ConnectionErrors};
 pub use service::IdempotentClient;
 
 use crate::error::BoxError;

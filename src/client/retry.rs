@@ -7,6 +7,8 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, StatusCode, header};
 
+use crate::error::ConfigError;
+
 /// The statuses retried by default:
 ///
 /// - `409` with `Retry-After`: the server still runs an earlier attempt with this key (the
@@ -43,13 +45,11 @@ impl Default for RetryStatuses {
 
 impl RetryStatuses {
     /// The set of `statuses`, or the first that is not a `4xx` or a `5xx`.
-    pub(crate) fn new(
-        statuses: impl IntoIterator<Item = StatusCode>,
-    ) -> Result<Self, InvalidRetryStatus> {
+    pub(crate) fn new(statuses: impl IntoIterator<Item = StatusCode>) -> Result<Self, ConfigError> {
         let mut set = Vec::new();
         for status in statuses {
             if !(status.is_client_error() || status.is_server_error()) {
-                return Err(InvalidRetryStatus { status });
+                return Err(ConfigError::NotRetryable(status));
             }
             set.push(status);
         }
@@ -60,26 +60,6 @@ impl RetryStatuses {
 
     fn contains(&self, status: StatusCode) -> bool {
         self.0.binary_search(&status).is_ok()
-    }
-}
-
-/// A status given to
-/// [`IdempotentClientLayer::with_retry_statuses`](super::IdempotentClientLayer::with_retry_statuses)
-/// that is not a `4xx` or a `5xx`.
-///
-/// Only those say that a request failed: a `1xx` is not a final answer, a `2xx` is the
-/// success the call waits for (sending it again would only replay it), a `3xx` points
-/// elsewhere and sending the same request again gets the same redirect.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("status {status} cannot be retried: only 4xx and 5xx answers say that a request failed")]
-pub struct InvalidRetryStatus {
-    status: StatusCode,
-}
-
-impl InvalidRetryStatus {
-    /// The status that was refused.
-    pub fn status(&self) -> StatusCode {
-        self.status
     }
 }
 
@@ -309,7 +289,7 @@ mod tests {
         for code in [100, 101, 200, 201, 204, 301, 304, 399, 600, 999] {
             let status = StatusCode::from_u16(code).unwrap();
             let refused = RetryStatuses::new([StatusCode::SERVICE_UNAVAILABLE, status]);
-            assert_eq!(refused, Err(InvalidRetryStatus { status }), "{code}");
+            assert_eq!(refused, Err(ConfigError::NotRetryable(status)), "{code}");
         }
         let empty = RetryStatuses::new([]).unwrap();
         for code in 400..600u16 {
