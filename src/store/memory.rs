@@ -516,6 +516,9 @@ impl MemoryStore {
 
     /// Sets the most records the store holds (default 1,000,000). Records already held are
     /// kept; only claims of new keys are checked. Applies to every clone of this store.
+    ///
+    /// `0` holds no record: every claim of a new key is refused ([`StoreError::Full`], which
+    /// the layer answers `503`), failing closed, never letting a request run unprotected.
     pub fn with_max_entries(self, max: usize) -> Self {
         self.inner.usage.set_max_entries(max);
         self
@@ -523,7 +526,8 @@ impl MemoryStore {
 
     /// Sets the most bytes the store counts (default 1 GiB; see [Limits](Self#limits) for
     /// what is counted). Records already held are kept; only claims of new keys are checked.
-    /// Applies to every clone of this store.
+    /// Applies to every clone of this store. A limit below one record's bytes (`0`) refuses
+    /// every new key, as [`with_max_entries(0)`](Self::with_max_entries) does.
     pub fn with_max_bytes(self, max: usize) -> Self {
         self.inner.usage.set_max_bytes(max);
         self
