@@ -199,6 +199,15 @@ impl fmt::Debug for Config {
 /// ```
 ///
 /// See the [crate documentation](crate) for the behaviour and every setting's default.
+///
+/// # Panics
+///
+/// Not when it is built, nor on any setting. On a Tokio runtime built without its time
+/// driver (a `runtime::Builder` without `enable_time` or `enable_all`), Tokio's timer panics
+/// at the first keyed request whose handler or store call waits: the layer renews leases and
+/// bounds store calls with it, and Tokio offers no way to ask whether a runtime has one.
+/// With no Tokio runtime at all (another executor), nothing panics: see
+/// [Runtime](crate#how-it-works) in the crate documentation.
 #[derive(Clone, Debug)]
 pub struct IdempotencyLayer<St> {
     store: St,
