@@ -199,6 +199,15 @@ impl fmt::Debug for Config {
 /// ```
 ///
 /// See the [crate documentation](crate) for the behaviour and every setting's default.
+///
+/// # Panics
+///
+/// Not when it is built, nor on any setting. On a Tokio runtime built without its time
+/// driver (a `runtime::Builder` without `enable_time` or `enable_all`), Tokio's timer panics
+/// at the first keyed request whose handler or store call waits: the layer renews leases and
+/// bounds store calls with it, and Tokio offers no way to ask whether a runtime has one.
+/// With no Tokio runtime at all (another executor), nothing panics: see
+/// [Runtime](crate#how-it-works) in the crate documentation.
 #[derive(Clone, Debug)]
 pub struct IdempotencyLayer<St> {
     store: St,
@@ -326,6 +335,9 @@ impl<St> IdempotencyLayer<St> {
     ///
     /// A key in progress is kept for as long as its lease holds, even when that is longer
     /// than the [TTL](Self::with_ttl).
+    ///
+    /// Values below 10 ms (zero included) are raised to 10 ms: a lease of zero would let
+    /// every duplicate take a running key over at once, which is no protection at all.
     pub fn with_lease(self, lease: Duration) -> Self {
         self.with(|c| c.lease = lease.max(Duration::from_millis(10)))
     }
@@ -367,7 +379,8 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// The largest request body accepted on a keyed request, in bytes (default 1 MiB).
-    /// Larger bodies are answered `413` and nothing is stored.
+    /// Larger bodies are answered `413` and nothing is stored. `0` accepts keyed requests
+    /// with an empty body only.
     pub fn with_max_request_body(self, bytes: usize) -> Self {
         self.with(|c| c.max_request_body = bytes)
     }
@@ -616,7 +629,8 @@ impl<St> IdempotencyLayer<St> {
     /// released), the waiters claim the key again and exactly one of them runs the handler;
     /// the others wait on for that one. When `max` runs out first, the duplicate gets the
     /// `409` with `Retry-After` it gets without this setting. A `max` of zero turns waiting
-    /// off.
+    /// off; one of 30 years or more (`Duration::MAX`) waits as long as it takes: until the
+    /// answer, or until the first request's lease runs out and a waiter takes the key over.
     ///
     /// A waiter holds no store connection while it waits: it sleeps until its store says the
     /// key changed ([`Store::watch`](crate::Store::watch)), then claims again.
@@ -636,7 +650,8 @@ impl<St> IdempotencyLayer<St> {
 
     /// The most duplicates that wait at once
     /// ([`with_wait_for_completion`](Self::with_wait_for_completion)), across every service
-    /// this layer makes (default 1024). One more gets `409` at once.
+    /// this layer makes (default 1024). One more gets `409` at once; `0` lets none wait, as
+    /// if waiting were off.
     pub fn with_max_waiters(self, max: usize) -> Self {
         self.with(|c| c.max_waiters = max)
     }
@@ -668,5 +683,25 @@ impl<S, St: Clone> Layer<S> for IdempotencyLayer<St> {
             );
         }
         Idempotency::new(inner, self.store.clone(), self.config.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    /// Durations at their edges have a documented meaning, never a trap: a lease or store
+    /// timeout of zero is raised to 10 ms (a zero lease would let every duplicate take a
+    /// running key over), a wait of zero is no wait.
+    #[test]
+    fn durations_at_their_edges_have_their_documented_meaning() {
+        let layer = IdempotencyLayer::new(MemoryStore::new())
+            .with_lease(Duration::ZERO)
+            .with_store_timeout(Duration::ZERO)
+            .with_wait_for_completion(Duration::ZERO);
+        assert_eq!(layer.config.lease, Duration::from_millis(10));
+        assert_eq!(layer.config.store_timeout, Duration::from_millis(10));
+        assert_eq!(layer.config.wait_for_completion, None);
     }
 }

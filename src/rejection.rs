@@ -256,7 +256,7 @@ fn spread_retry_after() -> u64 {
 
 /// `Retry-After` is whole seconds; round up and never say 0.
 fn retry_after_secs(d: Duration) -> u64 {
-    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    let secs = d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0));
     secs.max(1)
 }
 
@@ -282,6 +282,22 @@ fn json_string(out: &mut String, s: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A store may say a key is held for as long as a `Duration` goes (a lease of
+    /// `Duration::MAX`): the `409`'s `Retry-After` says the most seconds it can, never a
+    /// panic on the rounding up.
+    #[test]
+    fn the_longest_retry_after_is_rendered() {
+        let r = Rejection::InFlight {
+            retry_after: Duration::MAX,
+        }
+        .to_response();
+        assert_eq!(r.status(), StatusCode::CONFLICT);
+        assert_eq!(
+            r.headers()[header::RETRY_AFTER],
+            u64::MAX.to_string().as_str()
+        );
+    }
 
     #[test]
     fn renders_problem_json() {

@@ -34,6 +34,10 @@ const RECHECK: Duration = Duration::from_secs(1);
 const POLL_FIRST: Duration = Duration::from_millis(20);
 const POLL_MAX: Duration = Duration::from_millis(500);
 
+/// The longest wait: a bound past it (`Duration::MAX`, "as long as it takes") is this one,
+/// as the clock cannot hold a deadline that far (adding it to now would overflow).
+const LONGEST_WAIT: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
+
 /// A waiter's place under the layer's cap ([`IdempotencyLayer::with_max_waiters`]).
 ///
 /// [`IdempotencyLayer::with_max_waiters`]: crate::IdempotencyLayer::with_max_waiters
@@ -97,7 +101,7 @@ where
         waited("full");
         return Ok(first);
     };
-    let deadline = Instant::now() + bound;
+    let deadline = Instant::now() + bound.min(LONGEST_WAIT);
     let mut pause = POLL_FIRST;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());

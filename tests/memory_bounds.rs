@@ -308,3 +308,24 @@ async fn expired_answers_vanish_without_a_purge() {
         Err(StoreError::Full)
     ));
 }
+
+/// A store with room for nothing (`with_max_entries(0)`, or a byte limit below one record)
+/// fails closed under either policy: every new key is refused, none runs unprotected.
+#[tokio::test]
+async fn a_store_with_room_for_nothing_refuses_every_new_key() {
+    for policy in [WhenFull::Reject, WhenFull::EvictCompleted] {
+        for store in [
+            MemoryStore::new().with_max_entries(0),
+            MemoryStore::new().with_max_bytes(0),
+        ] {
+            let store = store.with_when_full(policy);
+            for k in ["a", "b"] {
+                assert!(
+                    matches!(store.claim(claim_of(&key(k))).await, Err(StoreError::Full)),
+                    "{policy:?}"
+                );
+            }
+            assert!(store.is_empty());
+        }
+    }
+}

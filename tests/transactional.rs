@@ -822,3 +822,69 @@ async fn a_txconn_kept_forever_is_ended_from_outside_after_the_handler_timeout()
     assert_eq!(fx.payments().await, 1, "only the retry's write committed");
     fx.cleanup().await;
 }
+
+/// A gRPC answer in transactional mode: its trailers (`grpc-status`) commit with the key and
+/// the handler's writes and are replayed after the body; a call that failed with
+/// `UNAVAILABLE` (`503`'s code) rolls back and is not stored, like a `503`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_trailers_commit_with_the_answer_and_unavailable_rolls_back() {
+    use http_body_util::BodyExt;
+    use support::WithTrailers;
+    let fx = Fx::new().await;
+    let handler = tower::service_fn(|req: Request<RequestBody<Full<Bytes>>>| async move {
+        let tx = req.extensions().get::<IdempotentTx>().unwrap().clone();
+        sqlx::query("INSERT INTO payments (note) VALUES ('grpc')")
+            .execute(&mut *tx.conn().await.unwrap())
+            .await
+            .unwrap();
+        let code = if req.uri().path() == "/unavailable" {
+            "14"
+        } else {
+            "0"
+        };
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static(code));
+        let body = WithTrailers {
+            data: Some(Bytes::from_static(b"\0\0\0\0\x01x")),
+            trailers: Some(trailers),
+        };
+        let mut res = Response::new(body);
+        res.headers_mut()
+            .insert("content-type", HeaderValue::from_static("application/grpc"));
+        Ok::<_, std::io::Error>(res)
+    });
+    let svc = IdempotencyLayer::new(fx.store.transactional())
+        .with_shared_scope()
+        .layer(handler);
+    let send = |path: &'static str| {
+        let svc = svc.clone();
+        async move {
+            let res = svc
+                .oneshot(req("POST", path, Some(path), "m"))
+                .await
+                .unwrap();
+            let (parts, body) = res.into_parts();
+            let collected = body.collect().await.unwrap();
+            let trailers = collected.trailers().cloned();
+            (parts.headers, trailers, collected.to_bytes())
+        }
+    };
+    let (_, first_trailers, first_body) = send("/ok").await;
+    assert_eq!(first_trailers.as_ref().unwrap()["grpc-status"], "0");
+    let (headers, trailers, body) = send("/ok").await;
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(trailers, first_trailers);
+    assert_eq!(body, first_body);
+    assert_eq!((fx.payments().await, fx.keys().await), (1, 1));
+    for _ in 0..2 {
+        let (headers, trailers, _) = send("/unavailable").await;
+        assert!(!headers.contains_key("idempotent-replayed"));
+        assert_eq!(trailers.unwrap()["grpc-status"], "14");
+    }
+    assert_eq!(
+        (fx.payments().await, fx.keys().await),
+        (1, 1),
+        "the UNAVAILABLE calls were rolled back and not stored"
+    );
+    fx.cleanup().await;
+}

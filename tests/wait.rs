@@ -204,6 +204,28 @@ mod memory {
         assert_eq!(h.calls(), 1);
     }
 
+    /// A bound too large to add to the clock (`Duration::MAX`: wait as long as it takes)
+    /// is a wait until the answer, not a panic when the first duplicate arrives.
+    #[tokio::test]
+    async fn a_wait_bound_past_the_clock_waits_for_the_answer() {
+        let store = MemoryStore::new();
+        let h = Gated::new(false);
+        let layer = IdempotencyLayer::new(store)
+            .with_shared_scope()
+            .with_wait_for_completion(Duration::MAX);
+        let first = send(&layer, &h, "k");
+        until("the first runs", || h.calls() == 1).await;
+        let dup = send(&layer, &h, "k");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!dup.is_finished(), "the duplicate did not wait");
+        h.open(1);
+        assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+        let dup = dup.await.unwrap();
+        assert!(dup.replayed());
+        assert_eq!(dup.status, StatusCode::CREATED);
+        assert_eq!(h.calls(), 1);
+    }
+
     #[tokio::test]
     async fn waiters_over_the_cap_get_409_at_once() {
         let store = MemoryStore::new();

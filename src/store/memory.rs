@@ -70,9 +70,11 @@ const ROOM_ATTEMPTS: usize = 16;
 /// [`WhenFull`] policy ([`with_when_full`](Self::with_when_full)): by default it fails closed
 /// ([`StoreError::Full`], which the layer answers `503` with `Retry-After`); or it evicts the
 /// completed records nearest their expiry. In-progress records are never evicted while their
-/// lease or TTL runs; one whose lease and TTL both ran out was abandoned by its request (a
-/// task aborted, a runtime shut down), and a full store removes it before it refuses or
-/// evicts, so abandoned claims cannot keep a store full until a purge. Everything
+/// lease runs (a live request renews it every third of it). One whose lease ran out was
+/// abandoned by its request (a task aborted, a runtime shut down, a future dropped where no
+/// release could be sent), whatever its TTL: a full store removes it before it refuses or
+/// evicts, so abandoned claims cannot keep a store full until a purge (with the layer's
+/// defaults, for the 24 h TTL). Everything
 /// but a new key's claim goes on as usual when full: replays, `409`s for running keys, and the
 /// answers of running requests, which are always stored (so the bytes may pass the limit by
 /// the answers of the requests running when it was reached).
@@ -82,10 +84,12 @@ const ROOM_ATTEMPTS: usize = 16;
 /// An expired record counts as absent at once. The store also removes expired answers on its
 /// own, with no task to spawn: each claim first removes up to four from its shard (its shard
 /// adds one record at most), in the order they expire, so memory stays bounded by what is
-/// live. An in-progress record that outlived its lease and TTL stays until its owner completes
-/// or releases it, a claim of its key replaces it, a claim finds the store full, or
-/// [`purge_expired`](Store::purge_expired) removes it (as the [`Store`] contract says, its
-/// token holds it until then).
+/// live. An in-progress record whose lease ran out stays until its owner completes or releases
+/// it, a claim of its key replaces it (a takeover), a claim finds the store full (whatever its
+/// TTL), or, once its TTL ran out too, [`purge_expired`](Store::purge_expired) removes it (as
+/// the [`Store`] contract says, its token holds it until then; an owner that was only stalled
+/// then finds its answer not stored, as after a takeover). A purge leaves a record whose TTL
+/// still runs alone: its owner may be stalled rather than gone, and may still store its answer.
 /// [`purge_expired`](Store::purge_expired) and
 /// [`spawn_purge_task`](crate::spawn_purge_task) still work, removing every expired record;
 /// like the claims, they take records from the front of an expiry index, at most
@@ -193,11 +197,40 @@ impl Records {
     }
 }
 
-/// The records of a shard in expiry order, one queue per state: the front of each is the
-/// next record to expire.
+/// The records of a shard, one queue per state, each in the order its records come due: the
+/// front of each is the next.
+///
+/// - `completed`: by expiry.
+/// - `running`: in-progress records whose lease holds, by the lease's end (only a request that
+///   stopped renewing lets its lease run out; the TTL may run far longer).
+/// - `stale`: in-progress records whose lease ran out, moved there by a purge, by expiry.
+///
+/// A purge removes what expired (the [`Store`] contract): from `running` it removes the
+/// records whose lease and TTL ran out and moves those whose TTL has not to `stale`. A full
+/// store removes every in-progress record whose lease ran out, from the fronts of `running`
+/// and `stale` ([`Sweep::Reclaim`]).
 struct Index {
     running: Queue,
+    stale: Queue,
     completed: Queue,
+}
+
+/// The lease end of an in-progress record set aside in the `stale` queue of its [`Index`]:
+/// on the store's clock, a time that has always passed. (A record claimed at the store's
+/// first instant with a lease of zero gets it too, and belongs there: its lease ran out.)
+/// Kept in the lease's field, not in a flag of its own, which would make every record 8
+/// bytes larger.
+const LEASE_RAN_OUT: u64 = 0;
+
+/// What a sweep of a shard's [`Index`] removes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Sweep {
+    /// Expired answers only: a claim's sweep.
+    Answers,
+    /// Expired records: a purge.
+    Expired,
+    /// Expired answers and every in-progress record whose lease ran out: a full store.
+    Reclaim,
 }
 
 /// How many in-progress records (and the tombstones of completed ones) a shard's running
@@ -208,6 +241,7 @@ impl Default for Index {
     fn default() -> Self {
         Self {
             running: Queue::bounded(RUNNING_IN_ORDER),
+            stale: Queue::bounded(RUNNING_IN_ORDER),
             completed: Queue::default(),
         }
     }
@@ -259,11 +293,24 @@ struct Entry {
 }
 
 enum State {
-    InProgress { lease_until: u64 },
+    /// [`LEASE_RAN_OUT`] once a purge found its lease run out and set it aside (see
+    /// [`Index`]); a renewal gives it a lease again.
+    InProgress {
+        lease_until: u64,
+    },
     Completed(Answer),
 }
 
 impl Entry {
+    /// Where the record is in its queue of the [`Index`]: an in-progress record whose lease
+    /// holds at the lease's end, any other at its expiry.
+    fn indexed_at(&self) -> u64 {
+        match self.state {
+            State::InProgress { lease_until } if lease_until != LEASE_RAN_OUT => lease_until,
+            State::InProgress { .. } | State::Completed(_) => self.expires_at,
+        }
+    }
+
     fn holds(&self, token: LeaseToken) -> bool {
         matches!(self.state, State::InProgress { .. }) && self.id == token.into_raw()
     }
@@ -291,22 +338,25 @@ impl Record {
 impl Index {
     fn queue(&mut self, entry: &Entry) -> &mut Queue {
         match entry.state {
+            State::InProgress {
+                lease_until: LEASE_RAN_OUT,
+            } => &mut self.stale,
             State::InProgress { .. } => &mut self.running,
             State::Completed(_) => &mut self.completed,
         }
     }
 
-    /// Adds `entry` (of `hash`) to its state's queue at its expiry, and notes its place
-    /// there.
+    /// Adds `entry` (of `hash`) to its state's queue ([`Entry::indexed_at`]), and notes its
+    /// place there.
     fn insert(&mut self, hash: u64, entry: &mut Entry) {
-        let (at, id) = (entry.expires_at, entry.id);
+        let (at, id) = (entry.indexed_at(), entry.id);
         entry.place = self.queue(entry).push(Item { at, id, hash });
     }
 
     /// Removes `entry` from its state's queue.
     fn remove(&mut self, entry: &Entry) {
         self.queue(entry)
-            .remove(entry.expires_at, entry.id, entry.place);
+            .remove(entry.indexed_at(), entry.id, entry.place);
     }
 }
 
@@ -361,40 +411,80 @@ impl Shard {
         }
     }
 
-    /// Removes up to `max` records that expired by `now` (on the store's clock), from the
-    /// front of the index (completed records only unless `running` too); returns how many,
-    /// their bytes, and how many index entries it looked at (`max + 2` at most: no scan).
-    fn sweep(&mut self, now: u64, max: usize, running: bool) -> (usize, usize, usize) {
-        let (mut n, mut bytes, mut looked) = (0, 0, 0);
-        for completed in [true, false] {
-            if !completed && !running {
+    /// Sweeps the fronts of the index as `sweep` says (see [`Index`]), at most `max` steps
+    /// (a record removed, or moved to `stale`) in this hold of the lock. Looks at `max + 3`
+    /// index entries at most: never a scan.
+    fn sweep(&mut self, now: u64, max: usize, sweep: Sweep) -> Swept {
+        let mut swept = Swept::default();
+        for queue in [Which::Completed, Which::Running, Which::Stale] {
+            if queue != Which::Completed && sweep == Sweep::Answers {
                 break;
             }
-            while n < max {
-                let queue = if completed {
-                    &mut self.index.completed
-                } else {
-                    &mut self.index.running
+            while swept.steps < max {
+                let q = match queue {
+                    Which::Completed => &mut self.index.completed,
+                    Which::Running => &mut self.index.running,
+                    Which::Stale => &mut self.index.stale,
                 };
-                let Some(first) = queue.first() else {
+                let Some(first) = q.first() else {
                     break;
                 };
-                looked += 1;
-                if first.at > now {
+                swept.looked += 1;
+                // Every stale record's lease ran out: a full store takes them all.
+                let due = first.at <= now || (queue == Which::Stale && sweep == Sweep::Reclaim);
+                if !due {
                     break;
                 }
-                queue.pop_first();
+                q.pop_first();
+                swept.steps += 1;
                 let Item { id, hash, .. } = first;
+                // A purge removes only what expired: a record whose lease ran out before its
+                // TTL waits in `stale` for its expiry.
+                if queue == Which::Running && sweep == Sweep::Expired {
+                    let entry = self.records.get_mut(hash).and_then(|slot| {
+                        let record = slot.records_mut().iter_mut().find(|r| r.entry.id == id);
+                        record.map(|r| &mut r.entry)
+                    });
+                    if let Some(entry) = entry
+                        && entry.expires_at > now
+                    {
+                        if let State::InProgress { lease_until } = &mut entry.state {
+                            *lease_until = LEASE_RAN_OUT;
+                        }
+                        self.index.insert(hash, entry);
+                        continue;
+                    }
+                }
                 // Every index entry names a record of the map; were one not to, it is gone
                 // from the index now all the same.
                 if let Some(record) = self.take(hash, id) {
-                    n += 1;
-                    bytes += record.bytes();
+                    swept.removed += 1;
+                    swept.bytes += record.bytes();
                 }
             }
         }
-        (n, bytes, looked)
+        swept
     }
+}
+
+/// One of the queues of an [`Index`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Which {
+    Completed,
+    Running,
+    Stale,
+}
+
+/// What [`Shard::sweep`] did.
+#[derive(Default)]
+struct Swept {
+    /// Records removed, and their bytes.
+    removed: usize,
+    bytes: usize,
+    /// Records removed or moved.
+    steps: usize,
+    /// Index entries looked at.
+    looked: usize,
 }
 
 /// Tokens are unique per process, across all memory stores.
@@ -426,6 +516,9 @@ impl MemoryStore {
 
     /// Sets the most records the store holds (default 1,000,000). Records already held are
     /// kept; only claims of new keys are checked. Applies to every clone of this store.
+    ///
+    /// `0` holds no record: every claim of a new key is refused ([`StoreError::Full`], which
+    /// the layer answers `503`), failing closed, never letting a request run unprotected.
     pub fn with_max_entries(self, max: usize) -> Self {
         self.inner.usage.set_max_entries(max);
         self
@@ -433,7 +526,8 @@ impl MemoryStore {
 
     /// Sets the most bytes the store counts (default 1 GiB; see [Limits](Self#limits) for
     /// what is counted). Records already held are kept; only claims of new keys are checked.
-    /// Applies to every clone of this store.
+    /// Applies to every clone of this store. A limit below one record's bytes (`0`) refuses
+    /// every new key, as [`with_max_entries(0)`](Self::with_max_entries) does.
     pub fn with_max_bytes(self, max: usize) -> Self {
         self.inner.usage.set_max_bytes(max);
         self
@@ -483,25 +577,25 @@ impl MemoryStore {
         (hash, i, lock(&self.inner.shards[i]))
     }
 
-    /// Removes expired records from the front of shard `i`'s index, at most `max` in this
-    /// hold of its lock; counts them.
-    fn sweep(&self, i: usize, shard: &mut Shard, now: u64, max: usize, running: bool) -> usize {
+    /// Sweeps shard `i`'s index as `sweep` says, at most `max` steps in this hold of its
+    /// lock (see [`Shard::sweep`]); counts what it removed.
+    fn sweep(&self, i: usize, shard: &mut Shard, now: u64, max: usize, sweep: Sweep) -> Swept {
         // Nothing to do for completed records unless the shard's front has passed: most
         // claims leave the index untouched (its first entry is a walk down the tree).
-        if !running && !self.inner.fronts.has_expired(i, now) {
-            return 0;
+        if sweep == Sweep::Answers && !self.inner.fronts.has_expired(i, now) {
+            return Swept::default();
         }
-        let (n, bytes, _looked) = shard.sweep(now, max, running);
-        if n > 0 {
+        let swept = shard.sweep(now, max, sweep);
+        if swept.removed > 0 {
             self.inner.fronts.reset(i, &shard.index);
         }
         #[cfg(test)]
         self.inner
             .most_looked_at
-            .fetch_max(_looked, Ordering::Relaxed);
-        self.inner.usage.freed(n, bytes);
-        count_expired(n);
-        n
+            .fetch_max(swept.looked, Ordering::Relaxed);
+        self.inner.usage.freed(swept.removed, swept.bytes);
+        count_expired(swept.removed);
+        swept
     }
 
     /// Frees room for a new record of `bytes` and reserves it; `false` when the store is
@@ -516,13 +610,10 @@ impl MemoryStore {
             let mut freed = 0;
             // Only the shards holding expired answers, found by their fronts.
             for i in self.inner.fronts.expired_by(now) {
-                freed += self.sweep(
-                    i,
-                    &mut lock(&self.inner.shards[i]),
-                    now,
-                    SWEEP_WHEN_FULL,
-                    false,
-                );
+                let shard = &mut lock(&self.inner.shards[i]);
+                freed += self
+                    .sweep(i, shard, now, SWEEP_WHEN_FULL, Sweep::Answers)
+                    .removed;
             }
             if freed == 0 {
                 freed = self.sweep_abandoned(now);
@@ -537,22 +628,20 @@ impl MemoryStore {
         usage.try_reserve(bytes)
     }
 
-    /// Removes in-progress records whose lease and TTL both ran out (their requests are
-    /// gone: a task aborted, a runtime shut down), up to [`SWEEP_WHEN_FULL`] a shard; returns
-    /// how many. Only a full store that found no expired answer to drop calls it, so the
+    /// Removes in-progress records whose lease ran out, whatever their TTL (their requests
+    /// stopped renewing: a task aborted, a runtime shut down, a future dropped where no
+    /// release could be sent), up to [`SWEEP_WHEN_FULL`] a shard; returns how many. Only a full store that found no expired answer to drop calls it, so the
     /// claims of a store with room never pay for it: it locks every shard in turn, and takes
     /// from the front of each one's in-progress index alone.
     fn sweep_abandoned(&self, now: u64) -> usize {
         let mut freed = 0;
         for (i, shard) in self.inner.shards.iter().enumerate() {
             let mut shard = lock(shard);
-            if shard
-                .index
-                .running
-                .first()
-                .is_some_and(|first| first.at <= now)
-            {
-                freed += self.sweep(i, &mut shard, now, SWEEP_WHEN_FULL, true);
+            let index = &shard.index;
+            if index.stale.first().is_some() || index.running.first().is_some_and(|f| f.at <= now) {
+                freed += self
+                    .sweep(i, &mut shard, now, SWEEP_WHEN_FULL, Sweep::Reclaim)
+                    .removed;
             }
         }
         freed
@@ -674,7 +763,7 @@ impl Store for MemoryStore {
         loop {
             let (hash, i, mut shard) = self.shard(req.scope, req.key);
             let now = self.now();
-            self.sweep(i, &mut shard, now, SWEEP_PER_CLAIM, false);
+            self.sweep(i, &mut shard, now, SWEEP_PER_CLAIM, Sweep::Answers);
             let fresh = |takeover: bool| {
                 let token = next_token();
                 let entry = Entry {
@@ -828,16 +917,14 @@ impl Store for MemoryStore {
                 ..
             }) => {
                 let until = after(now, lease);
+                // In-progress records are indexed at their lease's end: the record moves.
+                index.remove(e);
                 if let State::InProgress { lease_until } = &mut e.state {
                     *lease_until = until;
                 }
-                // The record lives at least as long as the lease it now holds; it moves in
-                // the index only if that makes it live longer.
-                if until > e.expires_at {
-                    index.remove(e);
-                    e.expires_at = until;
-                    index.insert(hash, e);
-                }
+                // The record lives at least as long as the lease it now holds.
+                e.expires_at = e.expires_at.max(until);
+                index.insert(hash, e);
                 true
             }
             None => false,
@@ -851,9 +938,9 @@ impl Store for MemoryStore {
             loop {
                 // At most `batch` records per hold of the lock, taken from the front of the
                 // expiry index: a purge never scans a shard, nor stalls its requests.
-                let n = self.sweep(i, &mut lock(shard), self.now(), batch, true);
-                deleted += n as u64;
-                if n < batch {
+                let swept = self.sweep(i, &mut lock(shard), self.now(), batch, Sweep::Expired);
+                deleted += swept.removed as u64;
+                if swept.steps < batch {
                     break;
                 }
             }
@@ -1003,7 +1090,7 @@ mod tests {
     }
 
     /// In-progress records abandoned by their requests (a task aborted, a runtime shut down)
-    /// whose lease and TTL have run out count against the limits only until the store is
+    /// whose lease has run out count against the limits only until the store is
     /// full: then a claim removes them before it refuses, instead of failing closed until a
     /// purge.
     #[tokio::test(start_paused = true)]
@@ -1029,6 +1116,129 @@ mod tests {
         tokio::time::advance(Duration::from_secs(2)).await;
         token(store.claim(claim("", &new)).await.unwrap());
         assert!(store.len() <= 8, "{}", store.len());
+    }
+
+    /// With the layer's defaults a claim's lease (30 s) is far shorter than its TTL (24 h):
+    /// an in-progress record whose request is gone (a task aborted, a runtime shut down, a
+    /// future dropped where no release could be sent) stops being renewed, and once its lease
+    /// ran out a full store reclaims it before it refuses, whatever its TTL, whether a purge
+    /// has passed over it meanwhile or not. A record whose request still renews its lease is
+    /// kept.
+    #[tokio::test(start_paused = true)]
+    async fn a_full_store_reclaims_claims_whose_lease_ran_out_before_their_ttl() {
+        for purged_meanwhile in [false, true] {
+            let store = MemoryStore::new().with_max_entries(8);
+            let abandoned = |key| ClaimRequest {
+                lease: Duration::from_secs(30),
+                ttl: Duration::from_secs(24 * 3600),
+                ..claim("", key)
+            };
+            let keys: Vec<_> = (0..8)
+                .map(|i| IdempotencyKey::parse(&format!("abandoned{i}")).unwrap())
+                .collect();
+            let mut tokens = Vec::new();
+            for key in &keys {
+                tokens.push(token(store.claim(abandoned(key)).await.unwrap()));
+            }
+            let new = IdempotencyKey::parse("new").unwrap();
+            assert!(matches!(
+                store.claim(claim("", &new)).await,
+                Err(StoreError::Full)
+            ));
+            // The first key's request is alive: it renews its lease every third of it.
+            for _ in 0..3 {
+                tokio::time::advance(Duration::from_secs(10)).await;
+                let renewed = store.renew("", &keys[0], tokens[0], Duration::from_secs(30));
+                assert!(renewed.await.unwrap());
+            }
+            tokio::time::advance(Duration::from_secs(1)).await;
+            if purged_meanwhile {
+                // Their TTL runs: a purge leaves them.
+                assert_eq!(store.purge_expired(100).await.unwrap(), 0);
+                assert_eq!(store.len(), 8);
+            }
+            token(store.claim(claim("", &new)).await.unwrap());
+            assert!(store.len() <= 8, "{}", store.len());
+            // The live one is kept; a reclaimed one's token no longer holds its key.
+            assert!(matches!(
+                store.claim(abandoned(&keys[0])).await.unwrap(),
+                ClaimOutcome::InFlight { .. }
+            ));
+            let mut gone = 0;
+            for (key, t) in keys.iter().zip(&tokens).skip(1) {
+                if !store
+                    .renew("", key, *t, Duration::from_secs(30))
+                    .await
+                    .unwrap()
+                {
+                    gone += 1;
+                }
+            }
+            assert!(
+                gone >= 1,
+                "no abandoned claim was reclaimed ({purged_meanwhile})"
+            );
+        }
+    }
+
+    /// A purge removes an in-progress record once its lease and its TTL ran out, and never
+    /// before its TTL (its owner may be stalled, not gone, and may still store its answer):
+    /// one whose lease ran out first waits aside, out of the way of records that expire
+    /// after it, and is removed at its expiry. A renewal brings it back.
+    #[tokio::test(start_paused = true)]
+    async fn a_purge_removes_a_claim_whose_lease_ran_out_at_its_ttl() {
+        let store = MemoryStore::new();
+        let with = |key, lease, ttl| ClaimRequest {
+            lease: Duration::from_secs(lease),
+            ttl: Duration::from_secs(ttl),
+            ..claim("", key)
+        };
+        let [stalled, gone, brief] =
+            ["stalled", "gone", "brief"].map(|k| IdempotencyKey::parse(k).unwrap());
+        let ts = token(store.claim(with(&stalled, 30, 3600)).await.unwrap());
+        let tg = token(store.claim(with(&gone, 30, 3600)).await.unwrap());
+        // Its lease ends after theirs, its TTL long before.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        token(store.claim(with(&brief, 30, 30)).await.unwrap());
+        tokio::time::advance(Duration::from_secs(40)).await;
+        assert_eq!(store.purge_expired(10).await.unwrap(), 1, "the brief one");
+        assert_eq!(store.len(), 2);
+        // The stalled owner wakes up and renews: its key is its own again.
+        assert!(
+            store
+                .renew("", &stalled, ts, Duration::from_secs(30))
+                .await
+                .unwrap()
+        );
+        tokio::time::advance(Duration::from_secs(20)).await;
+        assert_eq!(store.purge_expired(10).await.unwrap(), 0);
+        assert!(
+            store
+                .renew("", &stalled, ts, Duration::from_secs(30))
+                .await
+                .unwrap()
+        );
+        let answer = StoredResponse::new(StatusCode::OK, HeaderMap::new(), Bytes::new());
+        let ttl = Duration::from_secs(7200);
+        assert!(
+            store
+                .complete("", &stalled, ts, &answer, ttl)
+                .await
+                .unwrap()
+        );
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert_eq!(
+            store.purge_expired(10).await.unwrap(),
+            1,
+            "the gone one, at its TTL"
+        );
+        assert!(
+            !store
+                .renew("", &gone, tg, Duration::from_secs(30))
+                .await
+                .unwrap()
+        );
+        assert_eq!(store.len(), 1);
     }
 
     #[tokio::test(start_paused = true)]
