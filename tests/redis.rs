@@ -376,7 +376,10 @@ async fn serve(
         };
         if let Some(on_wait) = on_wait {
             fired.fetch_add(1, Ordering::SeqCst);
+            // Stopped for good before the old connection closes: its end must not reach the
+            // client.
             down.abort();
+            let _ = (&mut down).await;
             match on_wait {
                 OnWait::Cut => return,
                 OnWait::Reconnect => {
@@ -470,7 +473,7 @@ async fn a_wait_after_a_reconnect_confirms_no_completion_the_replica_lacks() {
         .unwrap()
         .with_prefix(support::redis_support::prefix())
         .with_timeout(Duration::from_secs(2))
-        .with_wait_replicas(1, Duration::from_millis(300));
+        .with_wait_replicas(1, Duration::from_secs(1));
 
     let key = IdempotencyKey::parse("k").unwrap();
     let token = acquire(&store, &key).await;
@@ -493,6 +496,7 @@ async fn a_wait_after_a_reconnect_confirms_no_completion_the_replica_lacks() {
     );
 
     link.resume();
+    wait_replicated(&master);
     let key = IdempotencyKey::parse("k2").unwrap();
     let token = acquire(&store, &key).await;
     proxy.arm(OnWait::Reconnect);
@@ -589,7 +593,7 @@ async fn a_cluster_wait_after_a_reconnect_confirms_no_completion_the_replica_lac
     let store = RedisStore::cluster(client.get_async_connection().await.unwrap())
         .with_prefix(support::redis_support::prefix())
         .with_timeout(Duration::from_secs(3))
-        .with_wait_replicas(1, Duration::from_millis(300));
+        .with_wait_replicas(1, Duration::from_secs(1));
 
     // With the replica there, a completion is confirmed (and the scripts are loaded on every
     // node, the replica included, before it stops).
