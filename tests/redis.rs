@@ -6,7 +6,13 @@
 mod support;
 
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::{TcpListener, TcpStream};
 
 use tower_idempotency::{ClaimRequest, Fingerprint, IdempotencyKey, RedisStore, Store, StoreError};
 
@@ -58,8 +64,12 @@ impl Server {
     }
 
     fn kill(&self) {
+        self.signal("-KILL");
+    }
+
+    fn signal(&self, signal: &str) {
         if let Some(pid) = self.pid() {
-            let _ = Command::new("kill").args(["-9", &pid]).status();
+            let _ = Command::new("kill").args([signal, &pid]).status();
         }
     }
 
@@ -250,4 +260,382 @@ async fn completions_waiting_for_replicas_share_their_waits() {
         store.claim(claim_of(&key)).await.unwrap(),
         tower_idempotency::ClaimOutcome::Completed(_)
     ));
+}
+
+/// What [`WaitProxy`] does to the next request that carries a `WAIT`.
+#[derive(Debug, Clone, Copy)]
+enum OnWait {
+    /// Closes its connection to the server and forwards the request (and whatever follows) on
+    /// a fresh one: the server sees the request arrive as after a reconnect, on a connection
+    /// that made no write.
+    Reconnect,
+    /// Closes the client's connection (both ways) without forwarding the request: a client
+    /// that sends it again does so on a fresh connection of its own.
+    Cut,
+}
+
+/// A TCP proxy on 127.0.0.1 in front of one Redis server. Armed, it breaks the connection
+/// between a completion and the `WAIT` that follows it (the store sends its `WAIT` once the
+/// completion is answered, so the completion is done when the `WAIT` comes).
+struct WaitProxy {
+    port: u16,
+    armed: Arc<Mutex<Option<OnWait>>>,
+    fired: Arc<AtomicUsize>,
+    tasks: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
+}
+
+/// How a `WAIT` starts on the wire (the `redis` crate sends `WAIT numreplicas timeout`).
+const WAIT_ON_THE_WIRE: &[u8] = b"*3\r\n$4\r\nWAIT\r\n";
+
+impl WaitProxy {
+    /// Listens on a free port and forwards each connection to the server on `target`.
+    async fn start(target: u16) -> WaitProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let proxy = WaitProxy {
+            port: listener.local_addr().unwrap().port(),
+            armed: Arc::default(),
+            fired: Arc::default(),
+            tasks: Arc::default(),
+        };
+        let (armed, fired, tasks) = (
+            proxy.armed.clone(),
+            proxy.fired.clone(),
+            proxy.tasks.clone(),
+        );
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let _ = client.set_nodelay(true);
+                let conn = tokio::spawn(serve(client, target, armed.clone(), fired.clone()));
+                tasks.lock().unwrap().push(conn.abort_handle());
+            }
+        });
+        proxy.tasks.lock().unwrap().push(accept.abort_handle());
+        proxy
+    }
+
+    /// Breaks the next request that carries a `WAIT`, once.
+    fn arm(&self, on_wait: OnWait) {
+        *self.armed.lock().unwrap() = Some(on_wait);
+    }
+
+    /// How many requests it broke so far.
+    fn fired(&self) -> usize {
+        self.fired.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for WaitProxy {
+    fn drop(&mut self) {
+        for task in self.tasks.lock().unwrap().drain(..) {
+            task.abort();
+        }
+    }
+}
+
+/// One connection through a [`WaitProxy`].
+async fn serve(
+    client: TcpStream,
+    target: u16,
+    armed: Arc<Mutex<Option<OnWait>>>,
+    fired: Arc<AtomicUsize>,
+) {
+    let connect = || async {
+        let server = TcpStream::connect(("127.0.0.1", target)).await.ok()?;
+        let _ = server.set_nodelay(true);
+        Some(server.into_split())
+    };
+    let Some((from_server, mut to_server)) = connect().await else {
+        return;
+    };
+    let (mut from_client, to_client) = client.into_split();
+    let to_client = Arc::new(tokio::sync::Mutex::new(to_client));
+    // The server's answers, copied to the client by a task per server connection.
+    let answers = |mut from_server: OwnedReadHalf| {
+        let to_client = to_client.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            while let Ok(n @ 1..) = from_server.read(&mut buf).await {
+                if to_client.lock().await.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+            let _ = to_client.lock().await.shutdown().await;
+        })
+    };
+    let mut down = answers(from_server);
+    let mut buf = vec![0u8; 64 * 1024];
+    while let Ok(n @ 1..) = from_client.read(&mut buf).await {
+        let request = &buf[..n];
+        let carries_wait = request
+            .windows(WAIT_ON_THE_WIRE.len())
+            .any(|w| w == WAIT_ON_THE_WIRE);
+        let on_wait = if carries_wait {
+            armed.lock().unwrap().take()
+        } else {
+            None
+        };
+        if let Some(on_wait) = on_wait {
+            fired.fetch_add(1, Ordering::SeqCst);
+            // Stopped for good before the old connection closes: its end must not reach the
+            // client.
+            down.abort();
+            let _ = (&mut down).await;
+            match on_wait {
+                OnWait::Cut => return,
+                OnWait::Reconnect => {
+                    let Some((from_server, fresh)) = connect().await else {
+                        return;
+                    };
+                    to_server = fresh;
+                    down = answers(from_server);
+                }
+            }
+        }
+        if to_server.write_all(request).await.is_err() {
+            break;
+        }
+    }
+    down.abort();
+}
+
+/// What a master says of its first replica: the replication offset that replica has
+/// acknowledged, and the master's own.
+fn acknowledged_offsets(master: &Server) -> (u64, u64) {
+    let info = master.cli(&["info", "replication"]);
+    let field = |line: &str, name: &str| -> Option<u64> {
+        line.split([',', ':'])
+            .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let acked = info
+        .lines()
+        .find(|l| l.starts_with("slave0:"))
+        .and_then(|l| field(l, "offset"))
+        .unwrap_or(0);
+    let own = info
+        .lines()
+        .find_map(|l| l.strip_prefix("master_repl_offset:"))
+        .map_or(0, |v| v.trim().parse().unwrap());
+    (acked, own)
+}
+
+/// Waits until the master's first replica is online and has acknowledged everything.
+fn wait_replicated(master: &Server) {
+    let started = Instant::now();
+    loop {
+        let info = master.cli(&["info", "replication"]);
+        let (acked, own) = acknowledged_offsets(master);
+        if info.contains("state=online") && acked == own {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "replica not in sync:\n{info}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+async fn acquire(store: &RedisStore, key: &IdempotencyKey) -> tower_idempotency::LeaseToken {
+    match store.claim(claim_of(key)).await.unwrap() {
+        tower_idempotency::ClaimOutcome::Acquired { token, .. } => token,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn created() -> tower_idempotency::StoredResponse {
+    tower_idempotency::StoredResponse::new(
+        http::StatusCode::CREATED,
+        http::HeaderMap::new(),
+        bytes::Bytes::from("ok"),
+    )
+}
+
+/// `WAIT` counts the writes of the connection it is sent on. When the store's connection to
+/// the server is replaced between a completion and its `WAIT` (the client reconnected, or the
+/// address now leads through another connection), the `WAIT` arrives on a connection that made
+/// no write and returns at once with every replica connected. Here the replica is connected but
+/// receives nothing (its link stalled): a completion it never received must not be confirmed.
+/// With the replica's link back, a completion whose `WAIT` crosses a fresh connection is
+/// confirmed once the replica has it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_after_a_reconnect_confirms_no_completion_the_replica_lacks() {
+    let master = Server::start(support::cluster::free_port(), &[]);
+    // The replica's link goes through a proxy the test stalls: the replica stays connected (the
+    // master counts it), but receives and acknowledges nothing.
+    let link = support::proxy::Proxy::start(([127, 0, 0, 1], master.port).into()).await;
+    let _replica = Server::start(
+        support::cluster::free_port(),
+        &["--replicaof", "127.0.0.1", &link.addr().port().to_string()],
+    );
+    let proxy = WaitProxy::start(master.port).await;
+    let store = RedisStore::open(&format!("redis://127.0.0.1:{}", proxy.port))
+        .unwrap()
+        .with_prefix(support::redis_support::prefix())
+        .with_timeout(Duration::from_secs(2))
+        .with_wait_replicas(1, Duration::from_secs(1));
+
+    let key = IdempotencyKey::parse("k").unwrap();
+    let token = acquire(&store, &key).await;
+    wait_replicated(&master);
+    link.pause();
+    proxy.arm(OnWait::Reconnect);
+    let completed = store
+        .complete("", &key, token, &created(), Duration::from_secs(60))
+        .await;
+    assert_eq!(proxy.fired(), 1, "the WAIT never crossed the proxy");
+    let (acked, own) = acknowledged_offsets(&master);
+    assert!(
+        acked < own,
+        "the replica acknowledged everything ({acked} of {own}): nothing to prove"
+    );
+    assert!(
+        matches!(completed, Err(StoreError::Backend(_))),
+        "a completion the replica never received (it acknowledged offset {acked} of {own}) \
+         was confirmed: {completed:?}"
+    );
+
+    link.resume();
+    wait_replicated(&master);
+    let key = IdempotencyKey::parse("k2").unwrap();
+    let token = acquire(&store, &key).await;
+    proxy.arm(OnWait::Reconnect);
+    let completed = store
+        .complete("", &key, token, &created(), Duration::from_secs(60))
+        .await;
+    assert_eq!(proxy.fired(), 2, "the WAIT never crossed the proxy");
+    assert!(matches!(completed, Ok(true)), "{completed:?}");
+}
+
+/// A free port whose cluster bus port (`port + 10000`) is a port too.
+fn cluster_port() -> u16 {
+    loop {
+        let port = support::cluster::free_port();
+        if port < 55000 {
+            return port;
+        }
+    }
+}
+
+/// The same in a Redis Cluster, on a cluster of the test's own: one master, which holds every
+/// slot and announces the proxy's address (so clients reach it through the proxy), and its
+/// replica, stopped (SIGSTOP) while the completions are made: connected, it receives nothing.
+/// The proxy breaks the connection between each completion and its `WAIT`: it sends the
+/// `WAIT` to the server on a fresh connection, or cuts the client's connection, and the
+/// cluster client sends the `WAIT` again to the same node on a connection of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_wait_after_a_reconnect_confirms_no_completion_the_replica_lacks() {
+    let master_port = cluster_port();
+    let proxy = WaitProxy::start(master_port).await;
+    let node = |announced: u16, bus: u16| {
+        [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-node-timeout",
+            "5000",
+            "--cluster-announce-ip",
+            "127.0.0.1",
+        ]
+        .map(str::to_owned)
+        .into_iter()
+        .chain([
+            "--cluster-announce-port".to_owned(),
+            announced.to_string(),
+            "--cluster-announce-bus-port".to_owned(),
+            bus.to_string(),
+        ])
+        .collect::<Vec<_>>()
+    };
+    let args = node(proxy.port, master_port + 10000);
+    let master = Server::start(
+        master_port,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let replica_port = cluster_port();
+    let args = node(replica_port, replica_port + 10000);
+    let replica = Server::start(
+        replica_port,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    assert!(
+        master
+            .cli(&["cluster", "addslotsrange", "0", "16383"])
+            .contains("OK")
+    );
+    let id = master.cli(&["cluster", "myid"]).trim().to_owned();
+    replica.cli(&["cluster", "meet", "127.0.0.1", &master_port.to_string()]);
+    let started = Instant::now();
+    while !replica.cli(&["cluster", "replicate", &id]).contains("OK") {
+        assert!(started.elapsed() < Duration::from_secs(20), "no replica");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let started = Instant::now();
+    while !(master
+        .cli(&["cluster", "info"])
+        .contains("cluster_state:ok")
+        && replica
+            .cli(&["cluster", "info"])
+            .contains("cluster_state:ok"))
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "cluster not ok"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    wait_replicated(&master);
+    let client =
+        ::redis::cluster::ClusterClient::builder(vec![format!("redis://127.0.0.1:{}", proxy.port)])
+            .connection_timeout(Duration::from_millis(500))
+            .response_timeout(Duration::from_secs(2))
+            .build()
+            .unwrap();
+    let store = RedisStore::cluster(client.get_async_connection().await.unwrap())
+        .with_prefix(support::redis_support::prefix())
+        .with_timeout(Duration::from_secs(3))
+        .with_wait_replicas(1, Duration::from_secs(1));
+
+    // With the replica there, a completion is confirmed (and the scripts are loaded on every
+    // node, the replica included, before it stops).
+    let key = IdempotencyKey::parse("first").unwrap();
+    let token = acquire(&store, &key).await;
+    let completed = store
+        .complete("", &key, token, &created(), Duration::from_secs(60))
+        .await;
+    assert!(matches!(completed, Ok(true)), "{completed:?}");
+
+    let breaks = [OnWait::Reconnect, OnWait::Cut];
+    let mut claimed = Vec::new();
+    for on_wait in breaks {
+        let key = IdempotencyKey::parse(&format!("{on_wait:?}")).unwrap();
+        let token = acquire(&store, &key).await;
+        claimed.push((on_wait, key, token));
+    }
+    wait_replicated(&master);
+    replica.signal("-STOP");
+    let mut outcomes = Vec::new();
+    for (on_wait, key, token) in claimed {
+        proxy.arm(on_wait);
+        let completed = store
+            .complete("", &key, token, &created(), Duration::from_secs(60))
+            .await;
+        outcomes.push((on_wait, completed, acknowledged_offsets(&master)));
+    }
+    replica.signal("-CONT");
+    assert_eq!(
+        proxy.fired(),
+        breaks.len(),
+        "a WAIT never crossed the proxy"
+    );
+    for (on_wait, completed, (acked, own)) in outcomes {
+        assert!(
+            acked < own,
+            "{on_wait:?}: the replica acknowledged everything ({acked} of {own})"
+        );
+        assert!(
+            matches!(completed, Err(StoreError::Backend(_))),
+            "{on_wait:?}: a completion the replica never received (it acknowledged offset \
+             {acked} of {own}) was confirmed: {completed:?}"
+        );
+    }
 }

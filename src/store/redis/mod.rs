@@ -61,7 +61,9 @@ const DEFAULT_PREFIX: &str = "tower-idempotency:";
 /// the scope and key hold, and no braces, so the hash tag is always the digest and a record
 /// and its fence share one Cluster slot (scripts touch only their own slot). Records of
 /// different keys spread over all slots: nothing is shared between keys, not even a token
-/// counter.
+/// counter. With [`with_wait_replicas`](Self::with_wait_replicas), each `WAIT` round also
+/// sets and deletes `<prefix>{<digest>}:w` of a record it covers, in one script: the key never
+/// outlives the script.
 ///
 /// # Fencing tokens
 ///
@@ -104,8 +106,9 @@ const DEFAULT_PREFIX: &str = "tower-idempotency:";
 /// replicating a completion, the promoted replica does not have it: the key is in progress
 /// (or absent) there, and a retry after the lease runs the handler again.
 /// [`with_wait_replicas`](Self::with_wait_replicas) makes a completion wait for replicas
-/// (`WAIT`) and count as stored only when they have it. Persistence (AOF, RDB) is the
-/// server's configuration.
+/// (`WAIT`) and count as stored only when they have it, whatever happened to the connection
+/// in between (a reconnect, an address that now leads to another server). Persistence (AOF,
+/// RDB) is the server's configuration.
 ///
 /// # Bounds and errors
 ///
@@ -270,6 +273,19 @@ impl RedisStore {
     /// client gets the handler's answer all the same. The record is completed on the master
     /// either way, but only an acknowledged completion survives the master's failover.
     ///
+    /// `WAIT` counts only the writes of the connection it is sent on, and a connection that
+    /// made none (after a reconnect, or behind an address that moved to another server)
+    /// returns at once. So the `WAIT` is not trusted alone: the completion script names the
+    /// replication ID of the master that stored it, and the `WAIT` follows, on the same
+    /// connection, a small write (a key set and deleted) that tells the replication ID it ran
+    /// under. The completion counts as acknowledged only when both IDs are the same (one
+    /// master process, one stream of writes, in which the completion came before that write)
+    /// and `replicas` replicas acknowledged that write. After a failover or a restart of the
+    /// master, a completion it stored before fails (unconfirmed), even if it did reach the
+    /// replicas. The scripts read the replication ID with `INFO replication`: a Redis user
+    /// restricted by ACLs needs `INFO` (category `@dangerous`), or every completion fails
+    /// unconfirmed.
+    ///
     /// `WAIT` blocks the connection it is sent on, which all the store's calls to that
     /// server share; so concurrent completions share their `WAIT`s (at most one in flight
     /// per server, covering every completion that server had stored before it was sent).
@@ -385,50 +401,55 @@ impl RedisStore {
         self.bounded(invocation.invoke_async(&mut conn)).await
     }
 
-    /// Waits until the replicas of `server` (the cluster node ID the completion script
-    /// named, or `""`) have the completion of `record` it stored, when asked to
-    /// ([`with_wait_replicas`](Self::with_wait_replicas)); concurrent completions share
-    /// their `WAIT`s (see `replicate.rs`).
+    /// Waits until the replicas of `server` (the replication ID of the master that stored
+    /// the completion, as its script named it) have the completion of `record`, when asked
+    /// to ([`with_wait_replicas`](Self::with_wait_replicas)); concurrent completions share
+    /// their rounds (see `replicate.rs`).
     async fn wait_replicas(&self, server: &str, record: &str) -> Result<(), StoreError> {
         let Some(replication) = &self.wait else {
             return Ok(());
         };
         replication
             .acknowledged(server, || async {
-                let mut wait = ::redis::cmd("WAIT");
-                wait.arg(replication.replicas)
+                // One pipeline, so one connection: the mark (a write, which tells the
+                // replication ID it ran under), then WAIT, which counts the replicas that
+                // acknowledged that connection's writes, the mark's included. The mark's key
+                // shares the record's hash tag: in a cluster, the round reaches the master of
+                // the record's slot.
+                let stem = record.strip_suffix(":r").unwrap_or(record);
+                let mut pipe = ::redis::pipe();
+                pipe.cmd("EVAL")
+                    .arg(&self.scripts.mark)
+                    .arg(1)
+                    .arg(format!("{stem}:w"))
+                    .cmd("WAIT")
+                    .arg(replication.replicas)
                     .arg(millis(replication.timeout));
                 let mut conn = self.conn.clone();
-                self.bounded(async {
-                    match &mut conn {
-                        Conn::Single(c) => {
-                            let acked: i64 = wait.query_async(c).await?;
-                            Ok((acked, String::new()))
+                let (history, acked): (String, i64) = self
+                    .bounded(async {
+                        match &mut conn {
+                            Conn::Single(c) => pipe.query_async(c).await,
+                            Conn::Cluster(c) => {
+                                let route = ::redis::cluster_routing::Route::new(
+                                    slot(record),
+                                    ::redis::cluster_routing::SlotAddr::Master,
+                                );
+                                let replies = c
+                                    .route_pipeline(
+                                        pipe,
+                                        0,
+                                        2,
+                                        SingleNodeRoutingInfo::SpecificNode(route),
+                                    )
+                                    .await?;
+                                ::redis::from_redis_value(Value::Array(replies))
+                                    .map_err(RedisError::from)
+                            }
                         }
-                        Conn::Cluster(c) => {
-                            // To the master of the record's slot, on the connection that
-                            // carried the completion (WAIT counts a connection's writes),
-                            // with the ID of the node that answered.
-                            let mut pipe = ::redis::pipe();
-                            pipe.add_command(wait).cmd("CLUSTER").arg("MYID");
-                            let route = ::redis::cluster_routing::Route::new(
-                                slot(record),
-                                ::redis::cluster_routing::SlotAddr::Master,
-                            );
-                            let replies = c
-                                .route_pipeline(
-                                    pipe,
-                                    0,
-                                    2,
-                                    SingleNodeRoutingInfo::SpecificNode(route),
-                                )
-                                .await?;
-                            ::redis::from_redis_value(Value::Array(replies))
-                                .map_err(RedisError::from)
-                        }
-                    }
-                })
-                .await
+                    })
+                    .await?;
+                Ok((acked, history))
             })
             .await
     }
@@ -703,7 +724,8 @@ impl Store for RedisStore {
         match done {
             Value::Int(0) => Ok(false),
             Value::Int(1) => Ok(true),
-            // Stored, by the server named (when asked to wait for its replicas).
+            // Stored, by the master of the replication ID named (when asked to wait for its
+            // replicas; empty when the server was not a master).
             Value::BulkString(server) => {
                 let server = String::from_utf8_lossy(&server);
                 self.wait_replicas(&server, &keys.0).await?;

@@ -6,15 +6,31 @@
 //! multiplexed connection per server. One `WAIT` per completion would queue each behind the
 //! other: with a replica gone, `n` completions would take `n` timeouts, and every claim
 //! behind them too. So the store keeps at most one `WAIT` in flight per server (a round),
-//! and a round covers every completion whose write that server had answered before the round
-//! began: `WAIT` counts the writes of its connection, which include them.
+//! and a round covers every completion that server had answered before the round began.
 //!
-//! In a cluster, a round goes to the master of a covered record's slot, together with
-//! `CLUSTER MYID`; the completion script names the node that stored the record. A round
-//! answered by another node (the slot moved: a failover) covers nothing, since the node that
-//! stored the records may be gone with them. Rounds never go to every master at once: a
-//! multi-node request hides which node answered, and a client library may answer for a node
-//! that is down with another's reply.
+//! # What a round proves
+//!
+//! `WAIT` counts the writes of its own connection only: on a connection that made none (the
+//! client reconnected between a completion and its `WAIT`, or the server's address now leads
+//! to another server) it returns at once, and says nothing of the completion. So a round does
+//! not rely on the connection that carried the completions. It is one pipeline, on one
+//! connection, to the master of a covered record's slot: a mark script, which writes (a key
+//! set and deleted) and returns the server's replication ID, then `WAIT`. The mark puts the
+//! connection's last write at the end of the server's stream, after every completion the
+//! server ran before it; `WAIT` then counts the replicas that acknowledged the stream up to
+//! the mark.
+//!
+//! A completion names the replication ID of the master that stored it (read in its script,
+//! atomically with the write), and a round confirms it only when the round's mark ran under
+//! the same ID. A master draws a new ID when it becomes a master and when it restarts, so the
+//! same ID means the same master process and the same stream: the completion ran there before
+//! the mark (its answer came before the round began), and a replica that acknowledged the
+//! mark has it. A round answered under another ID (a failover, a restart, another node)
+//! confirms nothing: the server that stored the completion may be gone with it.
+//!
+//! Rounds go to one node at a time, never to every master at once: a multi-node request
+//! hides which node answered, and a client library may answer for a node that is down with
+//! another's reply.
 //!
 //! [`RedisStore::with_wait_replicas`]: super::RedisStore::with_wait_replicas
 
@@ -34,8 +50,9 @@ pub(super) struct Replication {
     pub(super) replicas: usize,
     /// `WAIT`'s own timeout.
     pub(super) timeout: Duration,
-    /// By cluster node ID (one entry, `""`, off a cluster). A cluster has few nodes, and a
-    /// node's ID lasts as long as the node.
+    /// By the replication ID of the master that stored the completions: one per master (a
+    /// cluster has few), and a new one after each failover or restart. Entries no round uses
+    /// are dropped when a new one comes.
     servers: std::sync::Mutex<HashMap<String, Arc<Rounds>>>,
 }
 
@@ -53,15 +70,16 @@ struct Rounds {
 enum Round {
     /// The replicas that acknowledged.
     Acked(i64),
-    /// Another node answered: the records' server is no longer the slot's master.
+    /// The round ran under another replication ID: the server that stored the completions is
+    /// no longer the master it reached (a failover, a restart, another node).
     Moved,
     /// The `WAIT` failed or timed out.
     #[default]
     Failed,
 }
 
-/// What one `WAIT` was answered with: the replicas that acknowledged, and the cluster node ID
-/// of the server that answered (`""` off a cluster).
+/// What one round was answered with: the replicas that acknowledged its mark (`WAIT`), and
+/// the replication ID the mark ran under (`""` when the server was not a master).
 pub(super) type Waited = (i64, String);
 
 impl Replication {
@@ -73,19 +91,28 @@ impl Replication {
         })
     }
 
-    /// Waits, after a completion that `server` (a cluster node ID, or `""`) has answered,
-    /// until a round begun after that answer has ended, and tells whether enough replicas
-    /// have the write. `wait` sends one `WAIT` to the server and tells who answered.
+    /// Waits, after a completion stored by the master whose replication ID is `server` (as
+    /// the completion script named it), until a round begun after that answer has ended, and
+    /// tells whether enough replicas have the write. `wait` sends one round (the mark, then
+    /// `WAIT`) to the server and tells what it gave.
     pub(super) async fn acknowledged<F, Fut>(&self, server: &str, wait: F) -> Result<(), StoreError>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Waited, StoreError>>,
     {
+        if server.is_empty() {
+            // Stored by a server that is not a master (a writable replica): no replica gets it.
+            return Err(StoreError::backend(Moved));
+        }
         let rounds = {
             let mut servers = self.servers.lock().unwrap_or_else(PoisonError::into_inner);
             match servers.get(server) {
                 Some(rounds) => rounds.clone(),
-                None => servers.entry(server.to_owned()).or_default().clone(),
+                None => {
+                    // A new master (or history): forget those no completion waits on.
+                    servers.retain(|_, rounds| Arc::strong_count(rounds) > 1);
+                    servers.entry(server.to_owned()).or_default().clone()
+                }
             }
         };
         // Any round numbered above this one begins after the write was answered.
@@ -98,7 +125,9 @@ impl Replication {
             // `needed` or above.
             let number = rounds.begun.fetch_add(1, Ordering::SeqCst) + 1;
             let round = match wait().await {
-                Ok((acked, answered_by)) if answered_by == server => Round::Acked(acked),
+                // The same master process, in the same history: the mark followed the
+                // completions this round covers in its stream.
+                Ok((acked, history)) if history == server => Round::Acked(acked),
                 Ok(_) => Round::Moved,
                 Err(e) => {
                     // The waiters this round covered fail with it, rather than each
@@ -132,10 +161,13 @@ struct NotReplicated {
     wanted: usize,
 }
 
-/// The `WAIT` covering a completion was answered by another node than the one that stored
-/// it.
+/// The round covering a completion ran under another replication ID than the completion
+/// (or the completion's server was not a master).
 #[derive(Debug, thiserror::Error)]
-#[error("the completion's server is no longer its slot's master (a failover?)")]
+#[error(
+    "the master that stored the completion is not the one the WAIT reached, or it restarted \
+     (a failover?): its replicas may not have the completion"
+)]
 struct Moved;
 
 /// The `WAIT` that would have covered a completion failed (for the task that sent it, with
@@ -217,7 +249,8 @@ mod tests {
             .acknowledged("n1", || answer(&sent, 1, "n1"))
             .await;
         assert!(matches!(short, Err(StoreError::Backend(_))), "{short:?}");
-        // The slot's master is now another node: its replicas say nothing of n1's writes.
+        // The round ran under another replication ID (another master, or n1 promoted anew or
+        // restarted): its replicas say nothing of the writes made under n1.
         let moved = replication
             .acknowledged("n1", || answer(&sent, 2, "n3"))
             .await;
@@ -232,5 +265,14 @@ mod tests {
             .acknowledged("n1", || answer(&sent, 2, "n1"))
             .await
             .unwrap();
+        // A completion stored by a server that is not a master is never confirmed, not even by
+        // a round that comes back without a replication ID, and sends no round.
+        let before = sent.load(Ordering::SeqCst);
+        let replica = replication.acknowledged("", || answer(&sent, 2, "")).await;
+        assert!(
+            matches!(replica, Err(StoreError::Backend(_))),
+            "{replica:?}"
+        );
+        assert_eq!(sent.load(Ordering::SeqCst), before);
     }
 }

@@ -2,7 +2,8 @@
 //! [`Store`](crate::Store) contract is one script, run atomically by the server.
 //!
 //! Every script gets the record's key as `KEYS[1]` and its fence's as `KEYS[2]` (one hash
-//! tag, so one Cluster slot). Times are the server's: `TIME` in the script, turned into
+//! tag, so one Cluster slot); the mark script of a `WAIT` round gets a key of the same hash
+//! tag that never outlives it. Times are the server's: `TIME` in the script, turned into
 //! milliseconds for leases and expiry (`PEXPIREAT`, `SET … PXAT`) and microseconds for
 //! tokens. Numbers written into Redis are formatted with `%.0f`: Lua's `tostring` keeps 14
 //! digits, and a token has 16.
@@ -19,6 +20,22 @@ const NOW: &str = "
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now = math.floor(now_us / 1000)
+";
+
+/// `replication_id()`: the replication ID of the server running the script when it is a
+/// master, else `''`.
+///
+/// A master's replication ID names its history of writes, which its replicas copy: a node
+/// draws a new one when it becomes a master (a replica promoted at a failover) and when it
+/// starts again (what it had not saved is gone), so two writes made under one ID were made by
+/// one master process, in one stream, in the order it ran them. (A replica reports its
+/// master's ID, hence the role.) `INFO` runs inside the script, atomically with its writes.
+const REPLICATION_ID: &str = "
+local function replication_id()
+  local info = redis.call('INFO', 'replication')
+  if string.match(info, 'role:(%a+)') ~= 'master' then return '' end
+  return string.match(info, 'master_replid:(%x+)') or ''
+end
 ";
 
 /// `ARGV`: fingerprint, lease (ms), life (ms, `max(ttl, lease)`), grace (ms).
@@ -55,11 +72,11 @@ return {'acquired', tok, takeover}
 ";
 
 /// `ARGV`: token, ttl (ms), status, headers, body, has body (`1`/`0`), grace (ms), channel
-/// (empty: none), message, name the node (`1`/`0`).
+/// (empty: none), message, name the history (`1`/`0`).
 ///
 /// Returns 0 when the token no longer holds the record; when stored, 1, or (asked to name
-/// the node) the cluster node ID of the server that stored it (empty off a cluster), so that
-/// the `WAIT` for its replicas can be checked to reach the same server.
+/// the history) the replication ID of the master that stored it ([`REPLICATION_ID`]), so that
+/// the `WAIT` round that confirms it can be checked to run in the same history.
 const COMPLETE_BODY: &str = "
 local r = redis.call('HMGET', KEYS[1], 'tok', 'lease')
 if r[1] ~= ARGV[1] or not r[2] then return 0 end
@@ -71,11 +88,7 @@ if ARGV[6] == '1' then redis.call('HSET', KEYS[1], 'body', ARGV[5]) end
 redis.call('PEXPIREAT', KEYS[1], exp)
 redis.call('SET', KEYS[2], ARGV[1], 'PXAT', string.format('%.0f', exp + tonumber(ARGV[7])))
 if ARGV[8] ~= '' then redis.call('PUBLISH', ARGV[8], ARGV[9]) end
-if ARGV[10] == '1' then
-  local cluster, id = pcall(redis.call, 'CLUSTER', 'MYID')
-  if cluster then return id end
-  return ''
-end
+if ARGV[10] == '1' then return replication_id() end
 return 1
 ";
 
@@ -119,6 +132,19 @@ redis.call('SET', KEYS[2], r[1], 'PXAT', string.format('%.0f', now + tonumber(AR
 return 1
 ";
 
+/// `KEYS[1]`: the mark key of a record's slot (`…:w`); no `ARGV`.
+///
+/// A write of nothing that lasts (the key is set and deleted), which the master sends to its
+/// replicas all the same: the connection that runs it has then written at the end of the
+/// server's stream, past every write the server made before, and a `WAIT` that follows on the
+/// same connection waits for the replicas to acknowledge all of them. Returns
+/// `replication_id()`.
+const MARK_BODY: &str = "
+redis.call('SET', KEYS[1], '1')
+redis.call('DEL', KEYS[1])
+return replication_id()
+";
+
 /// The scripts, each built once per store (a [`redis::Script`] knows its SHA1 and sends
 /// `EVALSHA`, loading the script again when the server's cache lost it).
 pub(super) struct Scripts {
@@ -127,6 +153,9 @@ pub(super) struct Scripts {
     pub(super) release: redis::Script,
     pub(super) renew: redis::Script,
     pub(super) purge: redis::Script,
+    /// The source of the mark script ([`MARK_BODY`]), sent with `EVAL` in the same pipeline
+    /// as the `WAIT` it serves.
+    pub(super) mark: String,
 }
 
 impl Scripts {
@@ -134,10 +163,11 @@ impl Scripts {
         let script = |body: &str| redis::Script::new(&format!("{NOW}{body}"));
         Self {
             claim: script(CLAIM_BODY),
-            complete: script(COMPLETE_BODY),
+            complete: redis::Script::new(&format!("{NOW}{REPLICATION_ID}{COMPLETE_BODY}")),
             release: script(RELEASE_BODY),
             renew: script(RENEW_BODY),
             purge: script(PURGE_BODY),
+            mark: format!("{REPLICATION_ID}{MARK_BODY}"),
         }
     }
 }
