@@ -291,6 +291,9 @@ mod error;
 mod extract;
 pub mod fingerprint;
 pub mod future;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 #[cfg(feature = "postgres")]
 pub mod inbox;
 #[cfg(feature = "json")]
