@@ -25,7 +25,8 @@
 //! sends, and every number in RFC 8785's examples that is not there to show rounding) the
 //! result is byte for byte RFC 8785's; where the double would have lost digits, the digits
 //! are kept. Two numbers share a canonical form exactly when their decimal values are equal
-//! (`4.50`, `4.5`, `45e-1` and `0.45E1` do). A number whose exponent does not fit in 64 bits
+//! (`4.50`, `4.5`, `45e-1` and `0.45E1` do). A number whose exponent does not fit in 64 bits,
+//! as written or in `e` notation after its first significant digit (`10e9223372036854775807`),
 //! makes the text invalid here (the caller falls back to the raw bytes).
 //!
 //! # Rejected texts
@@ -452,7 +453,8 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
 }
 
 /// Writes a number (its text valid JSON) with its exact value, in ECMAScript's layout (see
-/// the module docs). `None` when its exponent does not fit in 64 bits.
+/// the module docs). `None` when its exponent, as written or in `e` notation after the first
+/// significant digit, does not fit in 64 bits.
 fn write_number(text: &str, out: &mut Vec<u8>) -> Option<()> {
     let (negative, unsigned) = match text.strip_prefix('-') {
         Some(rest) => (true, rest),
@@ -488,6 +490,9 @@ fn write_number(text: &str, out: &mut Vec<u8>) -> Option<()> {
     let trailing = i128::try_from(trailing).ok()?;
     // ECMAScript's n: the value is 0.digits × 10^n.
     let n = exponent - frac_len + trailing + k;
+    // The exponent written after `e` must read back (see `parse_exponent`), or the canonical
+    // form would not be a fixed point.
+    i64::try_from((n - 1).unsigned_abs()).ok()?;
     if negative {
         out.push(b'-');
     }
@@ -665,6 +670,30 @@ mod tests {
         // An exponent beyond 64 bits is refused (the caller falls back to the raw bytes).
         assert_eq!(canonicalize(b"1e99999999999999999999"), None);
         assert_eq!(canonicalize(b"[1e-99999999999999999999]"), None);
+    }
+
+    /// The canonical form is a fixed point at the edge of the exponent's range too: a number
+    /// whose exponent fits in 64 bits as written but not once it is moved behind the first
+    /// significant digit is refused, not written as a form that is itself refused.
+    #[test]
+    fn a_canonical_exponent_beyond_64_bits_is_refused() {
+        for text in [
+            "10e9223372036854775807",
+            "0.01e-9223372036854775807",
+            "0.1e-9223372036854775807",
+            "[1, 100e9223372036854775806]",
+        ] {
+            assert_eq!(canonicalize(text.as_bytes()), None, "{text}");
+        }
+        for (text, expected) in [
+            ("1e9223372036854775807", "1e+9223372036854775807"),
+            ("10e9223372036854775806", "1e+9223372036854775807"),
+            ("1e-9223372036854775807", "1e-9223372036854775807"),
+            ("0.1e-9223372036854775806", "1e-9223372036854775807"),
+        ] {
+            assert_eq!(number(text), expected, "{text}");
+            assert_eq!(number(expected), expected, "{text}");
+        }
     }
 
     /// Canonicalising the shortest text of any double gives ECMAScript's `toString`, whether

@@ -302,6 +302,9 @@ mod error;
 mod extract;
 pub mod fingerprint;
 pub mod future;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod grpc;
 #[cfg(feature = "postgres")]
 pub mod inbox;

@@ -220,7 +220,9 @@ fn decode_map(bytes: &mut &[u8]) -> Result<HeaderMap, StoreError> {
         let value = HeaderValue::from_bytes(&bytes[..v])
             .map_err(|_| corrupt("invalid stored header value"))?;
         bytes.advance(v);
-        headers.append(name, value);
+        headers
+            .try_append(name, value)
+            .map_err(|_| corrupt("more stored headers than a header map holds"))?;
     }
     Ok(headers)
 }
@@ -413,6 +415,25 @@ mod tests {
             assert!(StoredResponse::decode_headers(&enc[..cut]).is_err() || cut == 0);
         }
         assert!(StoredResponse::decode_headers(&[0, 1, b' ', 0, 0, 0, 0]).is_err());
+    }
+
+    /// A `HeaderMap` holds at most 24,576 names (`http`'s limit; appending past it panics).
+    /// An encoding with more, which no stored response can produce but a store's record can
+    /// hold, is corrupt.
+    #[test]
+    fn more_names_than_a_header_map_holds_are_corrupt_not_a_panic() {
+        let mut encoded = Vec::new();
+        for i in 0..30_000 {
+            let name = format!("x-{i}");
+            encoded.put_u16(u16::try_from(name.len()).unwrap());
+            encoded.put_slice(name.as_bytes());
+            encoded.put_u32(1);
+            encoded.put_u8(b'v');
+        }
+        assert!(matches!(
+            StoredResponse::decode_headers(&encoded),
+            Err(StoreError::Corrupt(_))
+        ));
     }
 
     #[test]
