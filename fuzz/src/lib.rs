@@ -523,7 +523,7 @@ fn response(data: &[u8]) -> StoredResponse {
     let status = StatusCode::from_u16(100 + r.u16() % 900).unwrap();
     let headers = header_map(&mut r);
     // Trailers about one time in four (a gRPC answer's `grpc-status`).
-    let trailers = (r.byte() % 4 == 0).then(|| header_map(&mut r));
+    let trailers = r.byte().is_multiple_of(4).then(|| header_map(&mut r));
     let response = if r.byte() & 1 == 0 {
         StoredResponse::new(status, headers, Bytes::copy_from_slice(r.rest()))
     } else {
