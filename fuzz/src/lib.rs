@@ -561,6 +561,10 @@ fn header_map(r: &mut Reader<'_>) -> HeaderMap {
     headers
 }
 
+/// The header codec: decoding any bytes returns the headers (and the trailers) or an error,
+/// never a panic, and what it returns encodes to bytes that decode to the same; an encoding
+/// is as long as the stores reserve for it; the headers and trailers of any response survive
+/// encoding and decoding, the values of each name in their order.
 pub fn headers(data: &[u8]) {
     if let Ok(decoded) = StoredResponse::decode_headers(data) {
         let again = StoredResponse::new(StatusCode::OK, decoded.clone(), Bytes::new());
@@ -635,20 +639,19 @@ pub fn memory_answer(data: &[u8]) {
     block_on(round_trip(&store, &key, &response(data)));
 }
 
-/// What the Redis and Postgres stores make of the stored status, headers and body fields:
-/// the status must be an HTTP status, the headers their encoding (missing: none); a missing
-/// body is an answer stored without its body.
+/// What the Redis and Postgres stores make of the stored status, head and body fields: the
+/// status must be an HTTP status, the head what
+/// [`encode_headers`](StoredResponse::encode_headers) writes (the headers, and the trailers
+/// when there were any; missing: no headers); a missing body is an answer stored without its
+/// body.
 fn reference_answer(
     status: Option<i64>,
-    headers: Option<&[u8]>,
+    head: Option<&[u8]>,
     body: Option<&[u8]>,
 ) -> Option<StoredResponse> {
     let status = StatusCode::from_u16(u16::try_from(status?).ok()?).ok()?;
-    let headers = StoredResponse::decode_headers(headers.unwrap_or_default()).ok()?;
-    Some(match body {
-        Some(body) => StoredResponse::new(status, headers, Bytes::copy_from_slice(body)),
-        None => StoredResponse::without_body(status, headers),
-    })
+    let body = body.map(Bytes::copy_from_slice);
+    StoredResponse::decode(status, head.unwrap_or_default(), body).ok()
 }
 
 #[cfg(feature = "redis")]
