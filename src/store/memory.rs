@@ -630,9 +630,10 @@ impl MemoryStore {
 
     /// Removes in-progress records whose lease ran out, whatever their TTL (their requests
     /// stopped renewing: a task aborted, a runtime shut down, a future dropped where no
-    /// release could be sent), up to [`SWEEP_WHEN_FULL`] a shard; returns how many. Only a full store that found no expired answer to drop calls it, so the
-    /// claims of a store with room never pay for it: it locks every shard in turn, and takes
-    /// from the front of each one's in-progress index alone.
+    /// release could be sent), up to [`SWEEP_WHEN_FULL`] a shard; returns how many. Only a
+    /// full store that found no expired answer to drop calls it, so the claims of a store with
+    /// room never pay for it: it locks every shard in turn, and takes from the front of each
+    /// one's in-progress index alone.
     fn sweep_abandoned(&self, now: u64) -> usize {
         let mut freed = 0;
         for (i, shard) in self.inner.shards.iter().enumerate() {
