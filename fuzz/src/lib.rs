@@ -693,7 +693,12 @@ mod redis_store {
             .unwrap()
             .as_nanos();
         let prefix = format!("ti-fuzz:{}:{nanos}:", std::process::id());
-        let store = RedisStore::open(&url).unwrap().with_prefix(prefix.as_str());
+        // A short grace: the keys of a failed check (which does not delete them) are gone a
+        // minute after it, not a day.
+        let store = RedisStore::open(&url)
+            .unwrap()
+            .with_prefix(prefix.as_str())
+            .with_grace(std::time::Duration::from_secs(1));
         Redis {
             store,
             conn,
