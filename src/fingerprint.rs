@@ -200,7 +200,8 @@ fn field(hasher: &mut Sha256, bytes: &[u8]) {
 ///   [`with_any_content_type`](Self::with_any_content_type), whatever its `Content-Type`.
 /// - **Fallback.** A body that is not valid JSON (invalid UTF-8, a syntax error, a lone
 ///   surrogate escape, a duplicate member name, more than 128 levels of nesting, an exponent
-///   beyond 64 bits), and every body of another `Content-Type`, is fingerprinted by its raw
+///   that does not fit in 64 bits, as written or once the number is put in `e` notation
+///   behind its first significant digit), and every body of another `Content-Type`, is fingerprinted by its raw
 ///   bytes, exactly as without this setting (less the [excluded headers](Self::exclude_header)).
 ///   So such bodies must repeat byte for byte. A raw and a JSON fingerprint never collide:
 ///   each hashes its own tag first.
