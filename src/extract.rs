@@ -94,3 +94,51 @@ mod tx {
 
 #[cfg(feature = "postgres")]
 pub use tx::MissingIdempotentTx;
+
+#[cfg(feature = "postgres")]
+mod phases {
+    use super::*;
+    use crate::phased::Phases;
+
+    /// Rejection of the [`Phases`] extractor: the route is not behind a phased
+    /// [`IdempotencyLayer`](crate::IdempotencyLayer), or the request had no key. A server bug,
+    /// so it answers `500`.
+    #[derive(Debug, Clone, Copy, thiserror::Error)]
+    #[error("no idempotent phases: is the route behind IdempotencyLayer::new(store.phased())?")]
+    pub struct MissingPhases;
+
+    impl IntoResponse for MissingPhases {
+        fn into_response(self) -> Response {
+            (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+        }
+    }
+
+    impl<S: Send + Sync> FromRequestParts<S> for Phases {
+        type Rejection = MissingPhases;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Self, Self::Rejection> {
+            parts
+                .extensions
+                .get::<Phases>()
+                .cloned()
+                .ok_or(MissingPhases)
+        }
+    }
+
+    impl<S: Send + Sync> OptionalFromRequestParts<S> for Phases {
+        type Rejection = std::convert::Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<Phases>().cloned())
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+pub use phases::MissingPhases;

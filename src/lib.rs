@@ -313,6 +313,8 @@ mod json;
 mod key;
 mod layer;
 mod mode;
+#[cfg(feature = "postgres")]
+pub mod phased;
 mod plain;
 pub mod rejection;
 pub mod response;
@@ -330,13 +332,15 @@ pub use error::{BoxError, ConfigError, StoreError};
 #[cfg(feature = "axum")]
 pub use extract::MissingIdempotencyKey;
 #[cfg(all(feature = "axum", feature = "postgres"))]
-pub use extract::MissingIdempotentTx;
+pub use extract::{MissingIdempotentTx, MissingPhases};
 pub use fingerprint::Fingerprint;
 #[cfg(feature = "json")]
 pub use fingerprint::JsonFingerprint;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{IDEMPOTENCY_KEY, IdempotencyLayer, scope_digest};
 pub use mode::Mode;
+#[cfg(feature = "postgres")]
+pub use phased::{PhaseError, PhaseState, Phased, Phases};
 pub use plain::Lease;
 pub use rejection::Rejection;
 pub use response::{IDEMPOTENT_REPLAYED, ReplayedHeaders, StoredResponse};

@@ -94,7 +94,7 @@ struct LeaseState {
 }
 
 impl Lease {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             state: Arc::new(LeaseState {
                 lost: AtomicBool::new(false),
@@ -124,7 +124,7 @@ impl Lease {
     }
 
     /// Marks the lease lost and wakes the waiters; `true` if it was not lost before.
-    fn lose(&self) -> bool {
+    pub(crate) fn lose(&self) -> bool {
         let first = !self.state.lost.swap(true, Ordering::AcqRel);
         if first {
             self.state.notify.notify_waiters();

@@ -156,7 +156,7 @@ pub enum IsolationLevel {
 }
 
 impl IsolationLevel {
-    fn begin(self) -> &'static str {
+    pub(crate) fn begin(self) -> &'static str {
         match self {
             Self::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
             Self::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
@@ -359,11 +359,11 @@ impl std::fmt::Debug for IdempotentTx {
 /// answer comes back in the same message as `BEGIN`); sqlx's pool does not know about it.
 /// Dropped while still holding the connection (a panic, a dropped request), it closes the
 /// connection: Postgres rolls the transaction back and releases its locks.
-struct OpenTx {
-    conn: Option<PoolConnection<Postgres>>,
+pub(crate) struct OpenTx {
+    pub(crate) conn: Option<PoolConnection<Postgres>>,
     /// The layer's bound on one store call: a rollback that takes longer closes the
     /// connection instead (Postgres then rolls back on its own).
-    bound: Duration,
+    pub(crate) bound: Duration,
 }
 
 impl OpenTx {
@@ -371,7 +371,7 @@ impl OpenTx {
     /// rollback fails).
     /// Rolls back; then notifies `notify` (a payload) on the store's channel, to wake the
     /// waiters of the key this transaction held.
-    async fn rollback(mut self, notify: Option<i64>) {
+    pub(crate) async fn rollback(mut self, notify: Option<i64>) {
         let bound = self.bound;
         let rolled_back = async {
             let conn = self.conn()?;
@@ -393,7 +393,7 @@ impl OpenTx {
     }
 
     /// Rolls back off the request's path.
-    fn rollback_later(self) {
+    pub(crate) fn rollback_later(self) {
         if tokio::runtime::Handle::try_current().is_ok() {
             tokio::spawn(self.rollback(None));
         }
@@ -401,11 +401,11 @@ impl OpenTx {
     }
 
     /// The transaction ended (committed): the connection goes back to the pool as it is.
-    fn ended(mut self) {
+    pub(crate) fn ended(mut self) {
         drop(self.conn.take());
     }
 
-    fn conn(&mut self) -> Result<&mut PgConnection, StoreError> {
+    pub(crate) fn conn(&mut self) -> Result<&mut PgConnection, StoreError> {
         self.conn
             .as_deref_mut()
             .ok_or_else(|| StoreError::backend("the transaction's connection is gone"))
@@ -431,7 +431,7 @@ const CLAIM_ATTEMPTS: usize = 3;
 const HELD_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// SQLSTATE 25P02: a statement was sent in a transaction that an earlier error aborted.
-const IN_FAILED_TRANSACTION: &str = "25P02";
+pub(crate) const IN_FAILED_TRANSACTION: &str = "25P02";
 
 /// The advisory lock of a (scope, key): 64 bits of its SHA-256.
 fn lock_id(scope: &str, key: &str) -> i64 {
@@ -467,7 +467,7 @@ fn classify(row: &PgRow, fingerprint: &[u8]) -> Result<Option<Taken>, StoreError
 }
 
 /// The SQLSTATE of a database error.
-fn sqlstate(err: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
+pub(crate) fn sqlstate(err: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
     err.as_database_error().and_then(|db| db.code())
 }
 

@@ -8,6 +8,8 @@ use std::sync::Arc;
 use sqlx::postgres::{PgConnectOptions, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
+pub(crate) mod phases;
+
 use super::listen::{PURGE_WAITING, PgNotifier};
 use super::sql::{Lit, append, push_bounds};
 use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store};
@@ -66,6 +68,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         10,
         "the functions resolve names in their own schema",
         include_str!("../../migrations/0010_pinned_search_path.sql"),
+    ),
+    (
+        11,
+        "recovery points of phased mode, and leased claims of messages",
+        include_str!("../../migrations/0011_phases_and_leased_messages.sql"),
     ),
 ];
 
