@@ -30,14 +30,21 @@
 //! curl localhost:4000/provider/charges                                  # the real charges
 //! ```
 //!
-//! With `DATABASE_URL` set, every layer runs in transactional mode
-//! ([`PostgresStore::transactional`]): the layer opens a transaction and claims the key in it,
-//! the handler writes its rows through that transaction ([`IdempotentTx`]), and the layer
-//! stores the answer and commits before it answers. A payment row therefore commits together
-//! with its key, or not at all: a crash at any point leaves neither behind, and the client's
-//! retry runs again at once. The charge at the provider is the one step outside the payments
-//! transaction; the derived key covers it (the provider's own charge row commits with
-//! `k:charge`, in the provider's transaction).
+//! With `DATABASE_URL` set, the routes that call out run in **phased mode**
+//! ([`PostgresStore::phased`]) and the others in transactional mode
+//! ([`PostgresStore::transactional`]):
+//!
+//! - `POST /payments` runs in phases, and holds no transaction (and no pooled connection)
+//!   while the provider works: (1) the key is claimed and the payment recorded as `pending`,
+//!   committed with the recovery point `pending`; (2) the provider is called with the derived
+//!   key `k:charge`, no transaction open; (3) the charge is recorded, the payment becomes
+//!   `charged`, and the layer stores the answer, in one commit. A retry after a crash between
+//!   phases resumes after the last committed one: it finds its pending payment, calls the
+//!   provider again with the same derived key (which replays its charge) and completes.
+//! - The provider, too, waits (`CHARGE_DELAY_MS`) outside any transaction and records its
+//!   charge in the last phase, with the answer to `k:charge`.
+//! - `PATCH /orders/{id}` and the webhook receiver only write to the database: transactional
+//!   mode, their writes ([`IdempotentTx`]) and the key commit in one transaction.
 //!
 //! # Run it
 //!
@@ -63,7 +70,7 @@
 //! | variable | default | meaning |
 //! |---|---|---|
 //! | `BIND` | `127.0.0.1:3000` | address to listen on (port `0`: any free port) |
-//! | `DATABASE_URL` | unset | unset: everything in memory. Set: Postgres store (migrated at start) in transactional mode; data in `example_*` tables, written in the same transaction as the key |
+//! | `DATABASE_URL` | unset | unset: everything in memory. Set: Postgres store (migrated at start); payments and charges in phased mode, orders and webhooks in transactional mode; data in `example_*` tables, committed with the key |
 //! | `REDIS_URL` | unset | with `DATABASE_URL` unset: the idempotency keys in Redis ([`RedisStore`], plain mode; needs the `redis` feature), shared by every instance pointed at it; payments stay in memory. Refuses to start on a Redis whose `maxmemory-policy` evicts keys |
 //! | `IDEMPOTENCY_TTL_SECS` | `86400` | how long a key is remembered ([`IdempotencyLayer::with_ttl`]) |
 //! | `IDEMPOTENCY_LEASE_MS` | `30000` | how long a claim holds a key ([`IdempotencyLayer::with_lease`]); in memory only: in Postgres a claim lasts as long as its transaction |
@@ -141,7 +148,7 @@ use tower_idempotency::RedisStore;
 use tower_idempotency::client::{IdempotentClient, IdempotentClientLayer, ReplayBody};
 use tower_idempotency::{
     ConfigError, IDEMPOTENCY_KEY, IdempotencyKey, IdempotencyLayer, IdempotentTx, MemoryStore,
-    Mode, PostgresStore, TxConn, spawn_purge_task,
+    Mode, PhaseError, Phases, PostgresStore, TxConn, spawn_purge_task,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -317,23 +324,33 @@ async fn serve(config: Config) -> Result<(), BoxError> {
                 .map_err(|e| format!("cannot create the idempotency tables: {e}"))?;
             // One table for every layer, so one purge task.
             let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH)?;
-            // Transactional mode: each layer opens its transactions on its service's pool.
+            // Each layer opens its transactions on its service's pool. The routes that call
+            // out (or wait, as the provider does) run in phases; the others in one
+            // transaction.
             let provider_store = PostgresStore::new(provider.clone())
                 .with_statement_timeout(config.store_timeout)
-                .transactional();
-            let router = app(&config, &storage, store.transactional(), provider_store)?;
+                .phased();
+            let router = app(
+                &config,
+                &storage,
+                store.transactional(),
+                store.phased(),
+                provider_store,
+            )?;
             (router, purge)
         }
         _ => match &config.redis_url {
             Some(url) if config.idempotency => {
                 let store = redis_store(url, &config).await?;
                 let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH)?;
-                (app(&config, &storage, store.clone(), store)?, purge)
+                let router = app(&config, &storage, store.clone(), store.clone(), store)?;
+                (router, purge)
             }
             _ => {
                 let store = MemoryStore::new();
                 let purge = spawn_purge_task(store.clone(), PURGE_EVERY, PURGE_BATCH)?;
-                (app(&config, &storage, store.clone(), store)?, purge)
+                let router = app(&config, &storage, store.clone(), store.clone(), store)?;
+                (router, purge)
             }
         },
     };
@@ -482,14 +499,21 @@ struct ProviderState {
 /// provider's layer reaches it through the provider's own pool (`provider_store`). Each layer
 /// gives its scopes its own prefix, so that a key of one service can never collide with a
 /// key of another.
-fn app<M: Mode>(
+/// `payments_store` keeps the keys of the routes that only write to the database;
+/// `calls_out` and `provider_store` those of the routes that call out or wait (in Postgres:
+/// phased mode).
+fn app<M: Mode, P: Mode>(
     config: &Config,
     storage: &Storage,
     payments_store: M,
-    provider_store: M,
+    calls_out: P,
+    provider_store: P,
 ) -> Result<Router, ConfigError> {
-    // The settings from the environment, common to the three layers.
-    let layer = |store: &M| -> Result<Option<IdempotencyLayer<M>>, ConfigError> {
+    // The settings from the environment, common to the layers.
+    fn layer<M: Mode>(
+        config: &Config,
+        store: &M,
+    ) -> Result<Option<IdempotencyLayer<M>>, ConfigError> {
         if !config.idempotency {
             return Ok(None);
         }
@@ -502,7 +526,14 @@ fn app<M: Mode>(
                 // Zero (the default) leaves waiting off: a duplicate gets 409 at once.
                 .with_wait_for_completion(config.wait),
         ))
-    };
+    }
+    // The payments service's scope: its tenant.
+    fn tenant_scope<M>(layer: IdempotencyLayer<M>) -> IdempotencyLayer<M> {
+        layer.with_scope(|parts| match tenant_of(parts) {
+            "" => None, // the anonymous tenant: the shared scope
+            tenant => Some(format!("tenant:{tenant}")),
+        })
+    }
 
     // The payment provider. Like Stripe with connected accounts, it scopes keys per tenant
     // (the account the call is made for), so two tenants' `k:charge` are different charges.
@@ -511,7 +542,7 @@ fn app<M: Mode>(
             "/provider/charges",
             post(provider_charge).get(provider_charge_count),
         ),
-        layer(&provider_store)?
+        layer(config, &provider_store)?
             .map(|l| l.with_scope(|parts| Some(format!("provider:{}", tenant_of(parts))))),
     )
     // `route_layer`s wrap the ones added before them: authentication runs first, so the
@@ -522,21 +553,17 @@ fn app<M: Mode>(
         charge_delay: config.charge_delay,
     });
 
-    // The payments service. GET requests pass through the layer untouched.
+    // The payments service. GET requests pass through the layer untouched. A retry that
+    // rebuilt its JSON (members reordered, other whitespace) is the same request; another
+    // value is still `422`.
     let payments = protect(
-        Router::new()
-            .route("/payments", post(create_payment))
-            .route("/orders/{order_id}", patch(update_order).get(get_order)),
-        layer(&payments_store)?.map(|l| {
-            l.with_scope(|parts| match tenant_of(parts) {
-                "" => None, // the anonymous tenant: the shared scope
-                tenant => Some(format!("tenant:{tenant}")),
-            })
-            // A retry that rebuilt its JSON (members reordered, other whitespace) is the
-            // same request; another value is still `422`.
-            .pipe(json_fingerprint)
-        }),
+        Router::new().route("/payments", post(create_payment)),
+        layer(config, &calls_out)?.map(|l| tenant_scope(l).pipe(json_fingerprint)),
     )
+    .merge(protect(
+        Router::new().route("/orders/{order_id}", patch(update_order).get(get_order)),
+        layer(config, &payments_store)?.map(|l| tenant_scope(l).pipe(json_fingerprint)),
+    ))
     .route_layer(from_fn(authenticate))
     .with_state(AppState {
         db: storage.payments.clone(),
@@ -551,7 +578,7 @@ fn app<M: Mode>(
             "/webhooks/provider",
             post(receive_webhook).get(webhooks_processed),
         ),
-        layer(&payments_store)?.map(|l| {
+        layer(config, &payments_store)?.map(|l| {
             l.with_header(HeaderName::from_static("webhook-id"))
                 .with_scope(|_| Some("webhooks:provider".to_owned()))
         }),
@@ -790,14 +817,12 @@ struct Order {
     shipping_address: Option<String>,
 }
 
-/// `POST /payments`: charge at the provider, then record the payment.
+/// `POST /payments`: charge at the provider, and record the payment.
 ///
 /// The layer runs this once per (tenant, key) and replays its answer to retries. In Postgres
-/// the payment row is written through the layer's transaction ([`IdempotentTx`]), so it
-/// commits with the key: when the process dies before the commit, neither is left behind and
-/// the client's retry runs this again, at once. The one step that a rollback cannot undo is
-/// the charge: the provider gets a key derived from the client's, so it answers the repeated
-/// charge with the charge it already made.
+/// it runs in phases ([`pay_in_phases`]). In memory the payment is recorded after the charge;
+/// the provider gets a key derived from the client's, so it answers a repeated charge with
+/// the charge it already made.
 ///
 /// Without the layer (`IDEMPOTENCY=off`) a payment has no key and is simply new each time;
 /// its row is written in a transaction of its own.
@@ -805,19 +830,30 @@ async fn create_payment(
     State(state): State<AppState>,
     Extension(tenant): Extension<Tenant>,
     key: Option<Extension<IdempotencyKey>>,
-    tx: Option<Extension<IdempotentTx>>,
+    phases: Option<Extension<Phases>>,
     request: Request,
 ) -> Result<(StatusCode, Json<Payment>), ApiError> {
     let authorization = request.headers().get(AUTHORIZATION).cloned();
     let new: NewPayment = read_json(request).await?;
     let order_id = order_id(&new.order_id)?;
     let amount_cents = amount_cents(&new.amount_cents)?;
+    if let Some(Extension(phases)) = phases {
+        let payment = pay_in_phases(
+            &state,
+            &tenant.0,
+            &phases,
+            authorization,
+            order_id,
+            amount_cents,
+        );
+        return Ok((StatusCode::CREATED, Json(payment.await?)));
+    }
     let key = key.map(|Extension(key)| key);
 
     let charge =
         charge_at_provider(&state.provider, authorization, key.as_ref(), amount_cents).await?;
 
-    let mut writer = state.db.writer(tx).await?;
+    let mut writer = state.db.writer(None).await?;
     let payment = writer
         .record_payment(
             &tenant.0,
@@ -829,6 +865,81 @@ async fn create_payment(
         .await?;
     writer.commit().await?;
     Ok((StatusCode::CREATED, Json(payment)))
+}
+
+/// A payment in phases (Postgres, phased mode), none of them holding a transaction while the
+/// provider works:
+///
+/// 1. the payment is recorded as `pending`, committed with the recovery point `pending` (the
+///    key's claim committed before the handler ran);
+/// 2. the provider is called with the derived key, with no transaction open and no pooled
+///    connection held;
+/// 3. the charge is recorded and the payment becomes `charged` in the last phase's
+///    transaction, which the layer commits with the answer.
+///
+/// A retry after a crash resumes: step 1 returns the payment recorded before (it does not
+/// insert another), the provider replays its charge for the same derived key, and the answer
+/// is the one a run without the crash would have given.
+async fn pay_in_phases(
+    state: &AppState,
+    tenant: &str,
+    phases: &Phases,
+    authorization: Option<HeaderValue>,
+    order_id: i64,
+    amount_cents: i64,
+) -> Result<Payment, ApiError> {
+    let key = phases.key().clone();
+    let id: i64 = phases
+        .step("pending", async |conn| {
+            sqlx::query_scalar(
+                "INSERT INTO example_payments
+                     (tenant, idempotency_key, order_id, amount_cents, status)
+                 VALUES ($1, $2, $3, $4, 'pending')
+                 RETURNING id",
+            )
+            .bind(tenant)
+            .bind(key.as_str())
+            .bind(order_id)
+            .bind(amount_cents)
+            .persistent(false)
+            .fetch_one(conn)
+            .await
+        })
+        .await
+        .map_err(phase_error)?;
+    let charge =
+        charge_at_provider(&state.provider, authorization, Some(&key), amount_cents).await?;
+    let mut conn = phases.tx().await.map_err(phase_error)?;
+    sqlx::query("UPDATE example_payments SET status = 'charged', charge_id = $1 WHERE id = $2")
+        .bind(&charge.charge_id)
+        .bind(id)
+        .persistent(false)
+        .execute(&mut *conn)
+        .await?;
+    Ok(Payment {
+        payment_id: format!("pay_{id}"),
+        order_id,
+        amount_cents,
+        charge_id: charge.charge_id,
+    })
+}
+
+/// A phase that committed nothing: the database's error as any other, a lost lease (another
+/// attempt holds the key now) as `503`, which stores nothing.
+fn phase_error<E: Into<ApiError> + std::error::Error + 'static>(error: PhaseError<E>) -> ApiError {
+    match error {
+        PhaseError::Work(e) => e.into(),
+        PhaseError::LeaseLost => {
+            ApiError::unavailable("another attempt of this payment holds its key; retry later")
+        }
+        other => {
+            tracing::error!(
+                error = &other as &dyn std::error::Error,
+                "a payment phase failed"
+            );
+            ApiError::unavailable("the payment could not be recorded; retry later")
+        }
+    }
 }
 
 /// Calls the provider as `POST /provider/charges`, on behalf of the same tenant (the same
@@ -979,20 +1090,21 @@ struct Charge {
 
 /// `POST /provider/charges`: makes a charge. Slow on purpose with `CHARGE_DELAY_MS`, to show
 /// what a retry sees while the first attempt still runs (`409` and `Retry-After`). In
-/// Postgres the charge row commits with the provider's key (`<key>:charge`), in the
-/// provider's own transaction.
+/// Postgres the charge row commits with the provider's key (`<key>:charge`), in the last
+/// (and only) phase of the provider's request, opened after the delay.
 async fn provider_charge(
     State(provider): State<ProviderState>,
     Extension(tenant): Extension<Tenant>,
-    tx: Option<Extension<IdempotentTx>>,
+    phases: Option<Extension<Phases>>,
     request: Request,
 ) -> Result<(StatusCode, Json<Charge>), ApiError> {
     let new: ChargeRequest = read_json(request).await?;
     let amount_cents = amount_cents(&new.amount_cents)?;
+    // In Postgres (phased mode) no transaction is open yet: the delay holds none.
     if !provider.charge_delay.is_zero() {
         tokio::time::sleep(provider.charge_delay).await;
     }
-    let mut writer = provider.db.writer(tx).await?;
+    let mut writer = provider.db.last_phase_writer(phases).await?;
     let charge = writer.create_charge(&tenant.0, amount_cents).await?;
     writer.commit().await?;
     Ok((StatusCode::CREATED, Json(charge)))
@@ -1089,6 +1201,12 @@ impl ApiError {
     /// `503`, answered with `Retry-After`: nothing was done, try again later.
     fn unavailable(detail: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, detail)
+    }
+}
+
+impl From<std::convert::Infallible> for ApiError {
+    fn from(never: std::convert::Infallible) -> Self {
+        match never {}
     }
 }
 
@@ -1328,9 +1446,15 @@ CREATE TABLE IF NOT EXISTS example_payments (
     idempotency_key text,
     order_id        bigint      NOT NULL,
     amount_cents    bigint      NOT NULL,
-    charge_id       text        NOT NULL,
+    -- NULL while the payment is pending (recorded, the provider not yet called back).
+    charge_id       text,
+    status          text        NOT NULL DEFAULT 'charged',
     created_at      timestamptz NOT NULL DEFAULT now()
 );
+
+-- Tables made before payments had phases.
+ALTER TABLE example_payments ADD COLUMN IF NOT EXISTS status text NOT NULL DEFAULT 'charged';
+ALTER TABLE example_payments ALTER COLUMN charge_id DROP NOT NULL;
 
 CREATE INDEX IF NOT EXISTS example_payments_order ON example_payments (tenant, order_id);
 
@@ -1366,7 +1490,7 @@ async fn select_order(
                 (SELECT o.shipping_address FROM example_orders o
                   WHERE o.tenant = $1 AND o.order_id = $2)
            FROM example_payments p
-          WHERE p.tenant = $1 AND p.order_id = $2",
+          WHERE p.tenant = $1 AND p.order_id = $2 AND p.status = 'charged'",
     )
     .bind(tenant)
     .bind(order_id)
@@ -1403,6 +1527,20 @@ impl Db {
             (Self::Postgres(_), Some(Extension(tx))) => Writer::Postgres(PgTx::Layer(tx)),
             (Self::Postgres(pool), None) => Writer::Postgres(PgTx::Own(pool.begin().await?)),
         })
+    }
+
+    /// Where a phased request's writes go: in Postgres, the last phase's transaction, which
+    /// the layer commits with the answer; else as [`writer`](Self::writer).
+    async fn last_phase_writer(
+        &self,
+        phases: Option<Extension<Phases>>,
+    ) -> Result<Writer, ApiError> {
+        match (self, phases) {
+            (Self::Postgres(_), Some(Extension(phases))) => {
+                Ok(Writer::Postgres(PgTx::LastPhase(phases)))
+            }
+            _ => self.writer(None).await,
+        }
     }
 
     /// The number of charges the provider made.
@@ -1457,6 +1595,9 @@ enum PgTx {
     /// The layer's: the layer commits it once it stored the answer (a handler never does),
     /// or rolls it back on a `5xx`, an error, a panic or a dropped request.
     Layer(IdempotentTx),
+    /// The last phase of a phased request: opened at the first statement, committed by the
+    /// layer with the answer.
+    LastPhase(Phases),
     /// The request's own (`IDEMPOTENCY=off`), committed by [`Writer::commit`].
     Own(Transaction<'static, Postgres>),
 }
@@ -1470,6 +1611,7 @@ impl PgTx {
                 tracing::error!(error = &e as &dyn std::error::Error, "no transaction");
                 ApiError::internal("the request's transaction has ended")
             }),
+            Self::LastPhase(phases) => phases.tx().await.map(Conn::Layer).map_err(phase_error),
             Self::Own(tx) => Ok(Conn::Own(tx)),
         }
     }

@@ -1324,35 +1324,6 @@ async fn count(db: &PgPool, table: &str) -> i64 {
         .unwrap_or_else(|e| panic!("count {table}: {e}"))
 }
 
-/// The advisory locks held in this database. In transactional mode the layer holds one per
-/// key it has claimed, until its transaction ends.
-async fn advisory_locks(db: &PgPool) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM pg_locks
-          WHERE locktype = 'advisory' AND granted
-            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    )
-    .fetch_one(db)
-    .await
-    .unwrap()
-}
-
-/// Polls `advisory_locks` until `done` holds, for at most 20 s.
-async fn wait_for_locks(db: &PgPool, what: &str, done: impl Fn(i64) -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let locks = advisory_locks(db).await;
-        if done(locks) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still {locks} advisory locks"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// The transaction that wrote the one row `sql` selects (its `xmin`).
 async fn xmin(db: &PgPool, sql: &'static str, binds: &[&str]) -> String {
     let mut query = sqlx::query_scalar::<_, String>(sql);
@@ -1561,62 +1532,53 @@ async fn postgres_without_the_layer_each_request_commits_on_its_own() {
 }
 
 #[tokio::test]
-async fn postgres_a_payment_killed_mid_charge_runs_again_at_once_after_a_restart() {
+async fn postgres_a_payment_killed_mid_charge_resumes_after_its_lease() {
     with_fresh_database(killed_mid_charge).await;
 }
 
 /// SIGKILLs the example while the provider sleeps inside the charge, restarts it on the same
-/// database and retries. Transactional mode left nothing behind (no key, no lock, no row), so
-/// the retry runs at once, and the order is charged once.
+/// database and retries. The payment's first phase had committed (its key claimed, the
+/// payment pending); the retry waits for the lease, resumes after that phase (no second
+/// payment row), calls the provider again with the same derived key, and the order is
+/// charged once.
 async fn killed_mid_charge(url: String) {
     const KEY: &str = "crash-mid-charge";
     let headers = [("idempotency-key", KEY), ("authorization", "Bearer acme")];
-    // A lease far longer than the test: a claim that outlived its process (plain mode) would
-    // answer the retry `409` for a minute.
     let env = [
         ("DATABASE_URL", url.as_str()),
         ("CHARGE_DELAY_MS", "1500"),
-        ("IDEMPOTENCY_LEASE_MS", "60000"),
+        ("IDEMPOTENCY_LEASE_MS", "2000"),
     ];
     let db = inspect(&url).await;
 
     let mut server = Server::start(&env);
     let api = server.api();
     let first = tokio::spawn(async move { api.try_pay(&headers, 31, 2500).await });
-    // Two keys claimed, each the advisory lock of its transaction: the payment's, and the
-    // charge's, which the provider holds while it sleeps (1.5 s) before it writes the charge.
-    wait_for_locks(&db, "the payment reaches the provider", |locks| locks >= 2).await;
+    // Two keys claimed (the payment's and the charge's, which the provider holds while it
+    // sleeps), and the payment pending.
+    wait_for_rows(&db, "the payment reaches the provider", IN_PROVIDER, 2).await;
     let status = server.crash();
     assert!(!status.success(), "SIGKILL: {status}");
     let lost = first.await.unwrap();
     assert!(lost.is_err(), "the killed attempt got an answer: {lost:?}");
     drop(server);
-
-    // Postgres saw the connections drop: it rolled both transactions back and released their
-    // locks. Nothing of the attempt is left.
-    wait_for_locks(&db, "the dead process's locks are released", |locks| {
-        locks == 0
-    })
-    .await;
-    for table in [
-        "tower_idempotency_keys",
-        "example_provider_charges",
-        "example_payments",
-    ] {
-        assert_eq!(count(&db, table).await, 0, "{table}");
-    }
+    assert_eq!(count(&db, "example_provider_charges").await, 0);
+    assert_eq!(
+        count(&db, "example_payments").await,
+        1,
+        "the pending payment"
+    );
 
     let mut server = Server::start(&env);
     let api = server.api();
-    let started = Instant::now();
-    let retry = pay_when_reachable(&api, &headers, 31, 2500).await;
-    let took = started.elapsed();
+    let retry = pay_until_not_in_flight(&api, &headers, 31, 2500).await;
     let payment = expect_new_payment(&retry, 31, 2500);
-    assert!(
-        took < Duration::from_secs(20),
-        "the retry took {took:?}: it waited, for a lease?"
-    );
     assert_eq!(api.charges().await, 1, "charged once");
+    assert_eq!(
+        count(&db, "example_payments").await,
+        1,
+        "no second payment row"
+    );
     assert_eq!(
         api.order(Some("acme"), 31).await,
         order_json(31, 2500, 1, None)
@@ -1629,6 +1591,263 @@ async fn killed_mid_charge(url: String) {
     let status = server.signal_and_wait("TERM");
     assert!(status.success(), "{status}; stderr:\n{}", server.stderr());
     db.close().await;
+}
+
+/// Rows that show a payment waiting at the provider: a pending payment, and the claims of
+/// its key and of the charge's.
+const IN_PROVIDER: &str = "SELECT (SELECT count(*) FROM tower_idempotency_keys \
+      WHERE lease_token IS NOT NULL) \
+    + (SELECT count(*) FROM example_payments WHERE status = 'pending') - 1";
+
+/// Waits until `sql` (one `bigint`) says at least `at_least`.
+async fn wait_for_rows(db: &PgPool, what: &str, sql: &'static str, at_least: i64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let n: i64 = sqlx::query_scalar(sql)
+            .fetch_one(db)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        if n >= at_least {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: still {n}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// `POST /payments` until the answer is not `409` (a key still held by a dead process's
+/// lease), after the server is reachable.
+async fn pay_until_not_in_flight(
+    api: &Api,
+    headers: &[(&str, &str)],
+    order_id: i64,
+    amount_cents: i64,
+) -> Reply {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let reply = pay_when_reachable(api, headers, order_id, amount_cents).await;
+        if reply.status != StatusCode::CONFLICT {
+            return reply;
+        }
+        assert!(Instant::now() < deadline, "still 409: {}", reply.text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn postgres_no_transaction_is_open_while_the_provider_works() {
+    with_fresh_database(|url| async move {
+        let env = [("DATABASE_URL", url.as_str()), ("CHARGE_DELAY_MS", "1500")];
+        let db = inspect(&url).await;
+        let server = Server::start(&env);
+        let api = server.api();
+        let headers = [
+            ("idempotency-key", "no-tx"),
+            ("authorization", "Bearer acme"),
+        ];
+        let paid = tokio::spawn(async move { api.try_pay(&headers, 51, 700).await });
+        wait_for_rows(&db, "the payment reaches the provider", IN_PROVIDER, 2).await;
+        // Sample the example's backends through most of the provider's delay.
+        let database: String = sqlx::query_scalar("SELECT current_database()::text")
+            .fetch_one(&db)
+            .await
+            .unwrap();
+        let mut samples = 0;
+        let until = Instant::now() + Duration::from_millis(1000);
+        while Instant::now() < until {
+            let idle_in_tx: Vec<String> = sqlx::query_scalar(
+                "SELECT state || ': ' || left(query, 120) FROM pg_stat_activity \
+                  WHERE datname = $1 AND pid <> pg_backend_pid() \
+                    AND state LIKE 'idle in transaction%'",
+            )
+            .bind(&database)
+            .fetch_all(&db)
+            .await
+            .unwrap();
+            assert!(
+                idle_in_tx.is_empty(),
+                "a backend of the example is idle in a transaction while the provider works: \
+                 {idle_in_tx:?}"
+            );
+            samples += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(samples > 10);
+        let paid = paid.await.unwrap().unwrap();
+        let payment = expect_new_payment(&paid, 51, 700);
+        let api = server.api();
+        assert_eq!(api.charges().await, 1);
+        assert_eq!(
+            api.order(Some("acme"), 51).await,
+            order_json(51, 700, 1, None)
+        );
+        assert_payment_committed_with_its_keys(&db, "acme", "no-tx", &payment).await;
+        db.close().await;
+    })
+    .await;
+}
+
+/// Behind PgBouncer in transaction pooling mode with 10 server connections, 40 distinct
+/// payments at once, each waiting a second at the provider: every one is answered `201`
+/// within a few seconds (none holds a server connection while the provider works, so none
+/// waits a second for one), and each order is charged once.
+#[tokio::test]
+async fn postgres_forty_slow_payments_share_ten_pooled_server_connections() {
+    with_fresh_database(|url| async move {
+        let pooler = support::pgbouncer::PgBouncer::start(10);
+        let database = url
+            .split('?')
+            .next()
+            .and_then(|base| base.rsplit('/').next())
+            .unwrap()
+            .to_owned();
+        let through = pooler.url_for(&database);
+        let env = [
+            ("DATABASE_URL", through.as_str()),
+            ("CHARGE_DELAY_MS", "1000"),
+        ];
+        let server = Server::start(&env);
+        let started = Instant::now();
+        let mut payments = Vec::new();
+        for i in 0..40 {
+            let api = server.api();
+            payments.push(tokio::spawn(async move {
+                let key = format!("busy-{i}");
+                let reply = api
+                    .try_pay(
+                        &[("idempotency-key", &key), ("authorization", "Bearer acme")],
+                        700 + i,
+                        100,
+                    )
+                    .await;
+                (reply, started.elapsed())
+            }));
+        }
+        let mut slowest = Duration::ZERO;
+        for (i, payment) in payments.into_iter().enumerate() {
+            let (reply, took) = payment.await.unwrap();
+            let reply = reply.unwrap_or_else(|e| panic!("payment {i}: {e}"));
+            assert_eq!(
+                reply.status,
+                StatusCode::CREATED,
+                "payment {i}: {}",
+                reply.text()
+            );
+            slowest = slowest.max(took);
+        }
+        assert!(
+            slowest < Duration::from_secs(5),
+            "the slowest of 40 payments took {slowest:?}: payments waited for server connections"
+        );
+        let api = server.api();
+        assert_eq!(api.charges().await, 40);
+        for i in 0..40 {
+            assert_eq!(
+                api.order(Some("acme"), 700 + i).await,
+                order_json(700 + i, 100, 1, None)
+            );
+        }
+        drop(server);
+        drop(pooler);
+    })
+    .await;
+}
+
+/// SIGKILLs the example at random moments of payments (before, between and after their
+/// phases), restarts it and retries each payment until it is answered: every payment is
+/// charged exactly once, has one payment row, and its answer is the one a run without the
+/// crash gives (its own payment row and its own charge).
+#[tokio::test]
+async fn postgres_payments_killed_at_random_points_are_charged_once() {
+    with_fresh_database(|url| async move {
+        let env = [
+            ("DATABASE_URL", url.as_str()),
+            ("CHARGE_DELAY_MS", "150"),
+            ("IDEMPOTENCY_LEASE_MS", "800"),
+        ];
+        let db = inspect(&url).await;
+        let mut seed = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos() as u64
+            | 1;
+        let mut random = move |below: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % below
+        };
+        let rounds = 8;
+        for round in 0..rounds {
+            let key = format!("kill-{round}");
+            let order = 600 + round;
+            let mut server = Server::start(&env);
+            let api = server.api();
+            let sent_key = key.clone();
+            let attempt = tokio::spawn(async move {
+                api.try_pay(
+                    &[
+                        ("idempotency-key", &sent_key),
+                        ("authorization", "Bearer acme"),
+                    ],
+                    order,
+                    1000 + order,
+                )
+                .await
+            });
+            // The payment's phases take ~150 ms (the provider's delay) plus a few commits.
+            let after = Duration::from_millis(random(260));
+            tokio::time::sleep(after).await;
+            server.crash();
+            let _ = attempt.await.unwrap();
+            drop(server);
+
+            let server = Server::start(&env);
+            let api = server.api();
+            let headers = [
+                ("idempotency-key", key.as_str()),
+                ("authorization", "Bearer acme"),
+            ];
+            let done = pay_until_not_in_flight(&api, &headers, order, 1000 + order).await;
+            // Killed after its answer was stored, the payment's retry is a replay.
+            let payment = if done.replayed() {
+                done.expect_json(StatusCode::CREATED)
+            } else {
+                expect_new_payment(&done, order, 1000 + order)
+            };
+            let rows: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM example_payments WHERE idempotency_key = $1",
+            )
+            .bind(&key)
+            .fetch_one(&db)
+            .await
+            .unwrap();
+            assert_eq!(
+                rows, 1,
+                "round {round} (killed after {after:?}): one payment row"
+            );
+            assert_eq!(
+                api.order(Some("acme"), order).await,
+                order_json(order, 1000 + order, 1, None),
+                "round {round} (killed after {after:?}): charged once"
+            );
+            // The answer names the payment's own row and the charge made for its key.
+            let (payment_id, charge_id): (String, String) = sqlx::query_as(
+                "SELECT 'pay_' || id, charge_id FROM example_payments WHERE idempotency_key = $1",
+            )
+            .bind(&key)
+            .fetch_one(&db)
+            .await
+            .unwrap();
+            assert_eq!(payment["payment_id"], payment_id.as_str());
+            assert_eq!(payment["charge_id"], charge_id.as_str());
+            assert_payment_committed_with_its_keys(&db, "acme", &key, &payment).await;
+            expect_replay_of(&api.pay(&headers, order, 1000 + order).await, &done);
+        }
+        assert_eq!(count(&db, "example_provider_charges").await, rounds);
+        db.close().await;
+    })
+    .await;
 }
 
 /// `POST /payments` to a server that has just started: a few quick retries while the

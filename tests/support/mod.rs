@@ -17,6 +17,7 @@ use tower_idempotency::body::RequestBody;
 
 pub mod cluster;
 pub mod faults;
+pub mod pgbouncer;
 pub mod proxy;
 #[cfg(feature = "redis")]
 pub mod redis_support;
