@@ -41,3 +41,84 @@ ALTER TABLE tower_idempotency_processed_messages
     ADD COLUMN lease_expires_at timestamptz,
     ADD CONSTRAINT tower_idempotency_processed_messages_lease
         CHECK ((lease_token IS NULL) = (lease_expires_at IS NULL));
+
+-- A phase's statements on the key's record, each while the claim's token holds it: they
+-- raise SQLSTATE TI001 when it does not (the lease was lost to another request), so that the
+-- phase's transaction cannot commit its writes without them. `p_row` is the record's row id
+-- when the caller found it beforehand (under SERIALIZABLE a lookup through the primary key
+-- would predicate-lock an index page, which other keys' phases then conflict with); NULL
+-- looks it up by key.
+
+-- Records the phases committed so far (all of them, encoded by the crate) and extends the
+-- lease to p_lease_ms from now.
+CREATE FUNCTION tower_idempotency_phase_record(
+    p_scope text, p_key text, p_token bigint, p_phases bytea, p_lease_ms bigint, p_row tid)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    IF p_row IS NULL THEN
+        UPDATE tower_idempotency_keys AS k
+           SET phases = p_phases,
+               lease_expires_at = tower_idempotency_now() + p_lease_ms::float8 * interval '1 millisecond'
+         WHERE k.scope = p_scope AND k.key = p_key AND k.lease_token = p_token;
+    ELSE
+        UPDATE tower_idempotency_keys AS k
+           SET phases = p_phases,
+               lease_expires_at = tower_idempotency_now() + p_lease_ms::float8 * interval '1 millisecond'
+         WHERE k.ctid = p_row AND k.scope = p_scope AND k.key = p_key AND k.lease_token = p_token;
+    END IF;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'the idempotency key is no longer held by this request'
+            USING ERRCODE = 'TI001';
+    END IF;
+END
+$$;
+
+-- Stores the answer: the record becomes completed, its phases dropped, living p_ttl_ms.
+CREATE FUNCTION tower_idempotency_phase_complete(
+    p_scope text, p_key text, p_token bigint, p_ttl_ms bigint, p_status smallint,
+    p_headers bytea, p_body bytea, p_row tid)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    IF p_row IS NULL THEN
+        UPDATE tower_idempotency_keys AS k
+           SET lease_token = NULL, lease_expires_at = NULL, phases = NULL,
+               completed_at = tower_idempotency_now(),
+               expires_at = tower_idempotency_now() + p_ttl_ms::float8 * interval '1 millisecond',
+               response_status = p_status, response_headers = p_headers, response_body = p_body
+         WHERE k.scope = p_scope AND k.key = p_key AND k.lease_token = p_token;
+    ELSE
+        UPDATE tower_idempotency_keys AS k
+           SET lease_token = NULL, lease_expires_at = NULL, phases = NULL,
+               completed_at = tower_idempotency_now(),
+               expires_at = tower_idempotency_now() + p_ttl_ms::float8 * interval '1 millisecond',
+               response_status = p_status, response_headers = p_headers, response_body = p_body
+         WHERE k.ctid = p_row AND k.scope = p_scope AND k.key = p_key AND k.lease_token = p_token;
+    END IF;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'the idempotency key is no longer held by this request'
+            USING ERRCODE = 'TI001';
+    END IF;
+END
+$$;
+
+-- As every function of the store: its names resolve in its own schema, and lookups by key
+-- use the primary key whatever the statistics say.
+DO $$
+DECLARE
+    f text;
+BEGIN
+    FOREACH f IN ARRAY ARRAY[
+        'tower_idempotency_phase_record(text, text, bigint, bytea, bigint, tid)',
+        'tower_idempotency_phase_complete(text, text, bigint, bigint, smallint, bytea, bytea, tid)']
+    LOOP
+        EXECUTE pg_catalog.format(
+            'ALTER FUNCTION %s SET search_path = pg_catalog, %I, pg_temp',
+            f, pg_catalog.current_schema());
+        EXECUTE pg_catalog.format('ALTER FUNCTION %s SET enable_seqscan = off', f);
+    END LOOP;
+END
+$$;

@@ -241,7 +241,7 @@ for level in "repeatable read" "serializable"; do
     TI_ISOLATION="$level" cargo test --all-features \
         --test behaviour --test transactional --test postgres --test inbox --test model \
         --test cancellation --test round_trips --test payments_e2e --test scope \
-        --test connection_loss --test stalls --test wait
+        --test connection_loss --test stalls --test wait --test phased
 done
 
 # The behaviour suite, the example's end-to-end tests and the pooler's own tests once more,

@@ -99,6 +99,7 @@
 use std::convert::Infallible;
 use std::future::{Future, poll_fn};
 use std::pin::pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex as SyncMutex};
 use std::task::Poll;
 use std::time::Duration;
@@ -125,8 +126,8 @@ use crate::service::{
 use crate::store::PostgresStore;
 use crate::store::listen::wake_statement;
 use crate::store::postgres::phases::{
-    self, LAST_SAVEPOINT, MAX_PHASES_BYTES, NOT_HELD, Recorded, complete_statement, fence_batch,
-    read_statement, record_batch, yield_statement,
+    self, LAST_SAVEPOINT, MAX_PHASES_BYTES, NOT_HELD, Recorded, begin_batch, complete_statement,
+    fence_batch, read_statement, record_batch, yield_statement,
 };
 use crate::store::postgres::{db_error, is_serialization_failure};
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
@@ -139,6 +140,9 @@ use crate::wait::claim_or_wait;
 pub struct Phased {
     store: PostgresStore,
     isolation: Option<IsolationLevel>,
+    /// Whether the connections' default isolation level was found to be `SERIALIZABLE` (when
+    /// [`Phased::with_isolation`] set none): phases are then fenced from the start.
+    serializable_default: Arc<AtomicBool>,
 }
 
 impl PostgresStore {
@@ -149,6 +153,7 @@ impl PostgresStore {
         Phased {
             store: self.clone(),
             isolation: None,
+            serializable_default: Arc::new(AtomicBool::new(false)),
         }
     }
 }
@@ -318,6 +323,8 @@ struct Inner {
     lease: Duration,
     store_timeout: Duration,
     begin: &'static str,
+    isolation: Option<IsolationLevel>,
+    serializable_default: Arc<AtomicBool>,
     signal: Lease,
     /// The step a resumed request found last committed.
     resumed_after: Option<String>,
@@ -333,6 +340,8 @@ struct Inner {
 struct LastTx {
     tx: OpenTx,
     read_committed: bool,
+    /// Opened by [`fence_batch`]: the record is found by the row id it kept.
+    fenced: bool,
     _row: OwnedMutexGuard<()>,
 }
 
@@ -431,7 +440,7 @@ impl Phases {
             return Err(PhaseError::Misuse("a step after the last phase was opened"));
         }
         let _row = self.inner.row.lock().await;
-        let mut tx = self.fence(false).await?;
+        let (mut tx, fenced, _) = self.open(false).await?;
         let conn = tx.conn()?;
         let value = match work(conn).await {
             Ok(value) => value,
@@ -450,7 +459,13 @@ impl Phases {
                 return Err(PhaseError::StateTooLarge);
             }
         };
-        let batch = record_batch(self.held(), &encoded, self.inner.store.bounds())?;
+        let batch = record_batch(
+            self.held(),
+            &encoded,
+            self.inner.lease,
+            fenced,
+            self.inner.store.bounds(),
+        )?;
         let committed = store_call(Operation::Commit, self.inner.store_timeout, async {
             Ok(sqlx::raw_sql(AssertSqlSafe(batch))
                 .execute(tx.conn()?)
@@ -469,6 +484,7 @@ impl Phases {
             }
             Err(e) if sqlstate(&e).as_deref() == Some(NOT_HELD) => {
                 tx.rollback(None).await;
+                self.lose();
                 Err(PhaseError::LeaseLost)
             }
             Err(e) => Err(PhaseError::Store(db_error(e))),
@@ -492,10 +508,11 @@ impl Phases {
             .map_err(|_| PhaseError::Unavailable)?;
         if last.is_none() {
             let row = self.inner.row.clone().lock_owned().await;
-            let tx = self.fence(true).await?;
+            let (tx, fenced, read_committed) = self.open(true).await?;
             *last = Some(LastTx {
                 tx,
-                read_committed: self.inner.begin == IsolationLevel::ReadCommitted.begin(),
+                read_committed,
+                fenced,
                 _row: row,
             });
         }
@@ -505,11 +522,69 @@ impl Phases {
         .map_err(|_| PhaseError::Unavailable)
     }
 
-    /// Opens a phase's transaction with its fence.
-    async fn fence<E>(&self, last: bool) -> Result<OpenTx, PhaseError<E>> {
+    /// Marks the lease lost (once).
+    fn lose(&self) {
+        if self.inner.signal.lose() {
+            lease_lost();
+        }
+    }
+
+    /// Opens a phase's transaction (its caller holds `row`, so no renewal runs meanwhile):
+    /// plain `BEGIN` below `SERIALIZABLE`, else with the fence. Returns the transaction,
+    /// whether it is fenced, and whether it is `READ COMMITTED`.
+    async fn open<E>(&self, last: bool) -> Result<(OpenTx, bool, bool), PhaseError<E>> {
         if self.inner.signal.is_lost() {
             return Err(PhaseError::LeaseLost);
         }
+        let serializable = match self.inner.isolation {
+            Some(level) => level == IsolationLevel::Serializable,
+            None => self.inner.serializable_default.load(Ordering::Relaxed),
+        };
+        if !serializable {
+            let store = &self.inner.store;
+            let bound = self.inner.store_timeout;
+            let batch = begin_batch(self.inner.begin, self.held(), last)?;
+            let opened = store_call(Operation::Claim, bound, async {
+                let conn = store.pool().acquire().await.map_err(db_error)?;
+                let mut tx = OpenTx {
+                    conn: Some(conn),
+                    bound,
+                };
+                let rows = sqlx::raw_sql(AssertSqlSafe(batch))
+                    .fetch_all(tx.conn()?)
+                    .await
+                    .map_err(|e| store.error(e))?;
+                let look = rows.iter().find_map(|r| {
+                    let level = r.try_get::<String, _>("transaction_isolation").ok()?;
+                    Some((level, r.try_get::<bool, _>("held").ok()?))
+                });
+                Ok((tx, look.unwrap_or_default()))
+            })
+            .await?;
+            match opened {
+                (tx, (_, false)) => {
+                    tx.rollback(None).await;
+                    self.lose();
+                    return Err(PhaseError::LeaseLost);
+                }
+                (tx, (level, true)) if level != "serializable" => {
+                    return Ok((tx, false, level == "read committed"));
+                }
+                (tx, _) => {
+                    // The connections' default is SERIALIZABLE: fence this phase and the
+                    // next ones.
+                    self.inner
+                        .serializable_default
+                        .store(true, Ordering::Relaxed);
+                    tx.rollback(None).await;
+                }
+            }
+        }
+        Ok((self.fence(last).await?, true, false))
+    }
+
+    /// Opens a phase's transaction with its fence (`SERIALIZABLE`).
+    async fn fence<E>(&self, last: bool) -> Result<OpenTx, PhaseError<E>> {
         let store = &self.inner.store;
         let bound = self.inner.store_timeout;
         let batch = fence_batch(
@@ -537,9 +612,7 @@ impl Phases {
             Ok((tx, true)) => Ok(tx),
             Ok((tx, false)) => {
                 tx.rollback(None).await;
-                if self.inner.signal.lose() {
-                    lease_lost();
-                }
+                self.lose();
                 Err(PhaseError::LeaseLost)
             }
             Err(e) => Err(PhaseError::Store(e)),
@@ -692,9 +765,10 @@ async fn complete_last(
     let LastTx {
         mut tx,
         read_committed,
+        fenced,
         _row,
     } = last;
-    let statement = complete_statement(phases.held(), ttl, stored, true)?;
+    let statement = complete_statement(phases.held(), ttl, stored, fenced)?;
     let batch = |rollback: bool| {
         let mut sql = String::with_capacity(statement.len() + 160);
         if rollback {
@@ -725,16 +799,12 @@ async fn complete_last(
             .fetch_all(tx.conn()?)
             .await;
         match rows {
-            Ok(rows) => {
-                let changed = rows
-                    .iter()
-                    .find_map(|r| r.try_get::<i64, _>("changed").ok())
-                    .unwrap_or(0);
+            Ok(_) => {
                 tx.ended();
-                return Ok(match (changed, rollback) {
-                    (1, false) => Completion::Committed,
-                    (1, true) => Completion::StoredAlone,
-                    _ => Completion::LeaseLost,
+                return Ok(if rollback {
+                    Completion::StoredAlone
+                } else {
+                    Completion::Committed
                 });
             }
             Err(e) if !rollback && sqlstate(&e).as_deref() == Some(IN_FAILED_TRANSACTION) => {}
@@ -841,6 +911,8 @@ impl Sealed for Phased {
                 lease: config.lease,
                 store_timeout: config.store_timeout,
                 begin: self.isolation.map_or("BEGIN", IsolationLevel::begin),
+                isolation: self.isolation,
+                serializable_default: self.serializable_default.clone(),
                 signal: Lease::new(),
                 resumed_after: recorded.last().map(|(name, _)| name.clone()),
                 recorded: SyncMutex::new(recorded),
@@ -922,20 +994,22 @@ impl Sealed for Phased {
                     sql.push_str("; ");
                     sql.push_str(&wake_statement(hash));
                 }
-                let rows = sqlx::raw_sql(AssertSqlSafe(sql))
-                    .fetch_all(store.pool())
-                    .await
-                    .map_err(|e| store.error(e))?;
-                Ok(rows
-                    .iter()
-                    .find_map(|r| r.try_get::<i64, _>("changed").ok())
-                    == Some(1))
+                Ok(sqlx::raw_sql(AssertSqlSafe(sql))
+                    .execute(store.pool())
+                    .await)
             };
             match store_call(Operation::Complete, config.store_timeout, completed).await {
-                Ok(true) => {}
-                Ok(false) => tracing::warn!(
-                    "idempotency lease was lost while the handler ran (another request took \
-                     the key over); this answer was not stored"
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) if sqlstate(&e).as_deref() == Some(NOT_HELD) => {
+                    phases.lose();
+                    tracing::warn!(
+                        "idempotency lease was lost while the handler ran (another request \
+                         took the key over); this answer was not stored"
+                    );
+                }
+                Ok(Err(e)) => log_store_error(
+                    &store.error(e),
+                    "store the answer; the client gets it, the key waits for its lease",
                 ),
                 Err(e) => log_store_error(
                     &e,
@@ -962,9 +1036,7 @@ impl Sealed for Phased {
                 Ok(response)
             }
             Ok(Completion::LeaseLost) => {
-                if phases.inner.signal.lose() {
-                    lease_lost();
-                }
+                phases.lose();
                 Ok(unavailable(
                     StoreError::backend("the lease was lost before the last phase committed"),
                     "commit the last phase (lease lost); rolled back, answered 503",

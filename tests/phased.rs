@@ -502,3 +502,28 @@ async fn steps_refuse_bad_names_oversized_states_and_steps_after_the_last_phase(
     );
     fx.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_record_is_a_new_request_that_resumes_nothing() {
+    let fx = Fx::new().await;
+    let app = fx.app(fx.store.phased(), LEASE);
+    let first = app(req("POST", "/fail-after-charge", Some("x"), "{}")).await;
+    assert_eq!(first.status, 502);
+    // The record outlives its TTL with its phase, and no retry came.
+    sqlx::query(
+        "UPDATE tower_idempotency_keys SET expires_at = now() - interval '1 second', \
+         lease_expires_at = now() - interval '1 second'",
+    )
+    .execute(&fx.admin)
+    .await
+    .unwrap();
+    let again = app(req("POST", "/pay", Some("x"), "{}")).await;
+    assert_eq!(again.status, 201, "{}", again.text());
+    // A new request: its first step ran (a second payment row), nothing was resumed.
+    assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 2);
+    assert_eq!(
+        fx.scalar("SELECT count(*) FROM payments WHERE status = 'charged'").await,
+        1
+    );
+    fx.cleanup().await;
+}

@@ -10,6 +10,7 @@
 //! |---|---|---|
 //! | `realistic-plain` | `PostgresStore`, plain mode, around the handler (its own transaction) | the handler alone |
 //! | `realistic-tx` | `PostgresStore::transactional()`: the handler's statements in the layer's transaction, committed with the key | the handler alone, in its own transaction |
+//! | `realistic-phased` | `PostgresStore::phased()`: the key claimed first; the handler reads the order, calls the provider with no transaction open, and writes the payment and the order in its last phase, committed with the answer | the handler alone, in its own transaction |
 //! | `realistic-plain-by-hand` (reference, no layer) | the handler in its own transaction between the plain store's cheapest statements sent by hand as prepared statements (its `INSERT … ON CONFLICT DO NOTHING` claim before, its completing `UPDATE` after, each in its own transaction): the least a plain-mode design costs | the handler alone |
 //! | `realistic-tx-record-only` (reference, no layer) | the handler in its own transaction, which also inserts the key's completed record before it commits (in the `COMMIT`'s message): no claim at all, the least that storing the answer with the handler's writes can cost | the handler alone |
 
@@ -30,7 +31,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use sqlx::PgPool;
 use tower_idempotency::fingerprint::fingerprint;
-use tower_idempotency::{IdempotencyLayer, IdempotentTx, PostgresStore, StoredResponse};
+use tower_idempotency::{IdempotencyLayer, IdempotentTx, Phases, PostgresStore, StoredResponse};
 
 use crate::BoxError;
 use crate::pg_schema::PgSchema;
@@ -55,6 +56,15 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         baseline: "the same handler alone, in its own transaction",
         target: 0.95,
         build: |ctx| Box::pin(build(ctx, Side::Transactional)),
+    },
+    Scenario {
+        name: "realistic-phased",
+        layer_side: "phased mode: the key claimed first; SELECT, the 2 ms provider call with \
+                     no transaction open, then INSERT and UPDATE in the last phase, committed \
+                     with the answer",
+        baseline: "the same handler alone, in its own transaction",
+        target: 0.80,
+        build: |ctx| Box::pin(build(ctx, Side::Phased)),
     },
     Scenario {
         name: "realistic-plain-by-hand",
@@ -82,6 +92,7 @@ enum Side {
     Plain,
     PlainByHand,
     Transactional,
+    Phased,
     RecordOnly,
 }
 
@@ -153,10 +164,23 @@ async fn pay(
     key: &str,
 ) -> Result<i64, BoxError> {
     let order = order_of(key);
-    let amount: i64 = sqlx::query_scalar("SELECT amount_cents FROM orders WHERE id = $1")
-        .bind(order)
-        .fetch_one(&mut *conn)
-        .await?;
+    let amount = read_amount(&mut *conn, order).await?;
+    charge_at_provider(payments, key, amount).await?;
+    record_payment(conn, order, amount).await
+}
+
+/// The order's amount.
+async fn read_amount<'c, E: sqlx::PgExecutor<'c>>(db: E, order: i64) -> Result<i64, BoxError> {
+    Ok(
+        sqlx::query_scalar("SELECT amount_cents FROM orders WHERE id = $1")
+            .bind(order)
+            .fetch_one(db)
+            .await?,
+    )
+}
+
+/// The provider's charge, with the derived key.
+async fn charge_at_provider(payments: &Payments, key: &str, amount: i64) -> Result<(), BoxError> {
     let request = http::Request::post(&*payments.charges)
         .header("idempotency-key", format!("{key}:charge"))
         .header(header::CONTENT_TYPE, "application/json")
@@ -166,6 +190,15 @@ async fn pay(
         return Err(format!("provider answered {}", charged.status()).into());
     }
     charged.into_body().collect().await?;
+    Ok(())
+}
+
+/// The payment's row and the order's new status.
+async fn record_payment(
+    conn: &mut sqlx::PgConnection,
+    order: i64,
+    amount: i64,
+) -> Result<i64, BoxError> {
     let id: i64 = sqlx::query_scalar(
         "INSERT INTO payments (order_id, amount_cents, currency) VALUES ($1, $2, 'EUR') \
          RETURNING id",
@@ -215,6 +248,31 @@ async fn pay_layer_tx(
         Ok(id) => payment_created(id, body.len()),
         Err(e) => {
             eprintln!("layer handler: {e}");
+            problem(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+    }
+}
+
+/// The handler in phased mode: the order read on its own, the provider called with no
+/// transaction open, the payment and the order written in the last phase.
+async fn pay_phased(
+    State(payments): State<Payments>,
+    Extension(phases): Extension<Phases>,
+    parts: Parts,
+    body: Bytes,
+) -> Response {
+    let key = key_of(&parts.headers).unwrap_or("none").to_owned();
+    let paid = async {
+        let order = order_of(&key);
+        let amount = read_amount(&payments.pool, order).await?;
+        charge_at_provider(&payments, &key, amount).await?;
+        let mut conn = phases.tx().await?;
+        record_payment(&mut conn, order, amount).await
+    };
+    match paid.await {
+        Ok(id) => payment_created(id, body.len()),
+        Err(e) => {
+            eprintln!("phased handler: {e}");
             problem(StatusCode::INTERNAL_SERVER_ERROR)
         }
     }
@@ -318,6 +376,10 @@ async fn build(ctx: &Ctx, side: Side) -> Result<Built, BoxError> {
             .route(PATH, post(pay_layer_tx))
             .with_state(payments)
             .layer(IdempotencyLayer::new(store.transactional())),
+        Side::Phased => Router::new()
+            .route(PATH, post(pay_phased))
+            .with_state(payments)
+            .layer(IdempotencyLayer::new(store.phased())),
         Side::Plain => Router::new()
             .route(PATH, post(pay_own_tx))
             .with_state(payments)

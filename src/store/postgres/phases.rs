@@ -1,12 +1,17 @@
 //! The statements of phased mode (`crate::phased`) and the encoding of its recovery points.
 //!
-//! Every statement is fenced by the claim's lease token: it changes the key's record only
-//! while that token holds it. A phase's transaction starts with [`fence_batch`], whose
-//! `UPDATE` of the record is its first statement: it checks the token, extends the lease, and
-//! takes the record's row lock for the rest of the transaction. Taken first, the lock also
-//! gives the transaction's snapshot (under `REPEATABLE READ` and `SERIALIZABLE`) a record no
-//! lease renewal can change before the phase commits: a renewal committed after the snapshot
-//! would make the phase's later update of the record a serialization failure.
+//! Every statement on the key's record is fenced by the claim's lease token: it changes the
+//! record only while that token holds it, and inside a phase's transaction it raises
+//! [`NOT_HELD`] otherwise (the functions `tower_idempotency_phase_record` and
+//! `tower_idempotency_phase_complete`), so the phase's writes cannot commit without it.
+//!
+//! A phase's transaction begins with [`begin_batch`]: `BEGIN` and nothing that takes a
+//! snapshot. The layer pauses the lease's renewals from before the `BEGIN` until the phase
+//! ends, so under `REPEATABLE READ` no renewal commits between the phase's snapshot and its
+//! update of the record. Under `SERIALIZABLE` the phase begins with [`fence_batch`] instead,
+//! which finds the record's row id outside the phase's transaction: a lookup through the
+//! primary key inside it would predicate-lock an index page, and the phases of other keys
+//! whose records share that page would then fail with serialization failures.
 
 use std::time::Duration;
 
@@ -69,10 +74,47 @@ pub(crate) fn decode(mut bytes: &[u8]) -> Result<Recorded, StoreError> {
     Ok(phases)
 }
 
-/// SQLSTATE `division_by_zero`: what a fenced statement inside a phase's transaction raises
-/// when the token no longer holds the record (`1 / count(*)` of the rows it changed), so that
-/// the transaction cannot commit the phase's writes without the record's change.
-pub(crate) const NOT_HELD: &str = "22012";
+/// The SQLSTATE the phase functions raise when the token no longer holds the record.
+pub(crate) const NOT_HELD: &str = "TI001";
+
+/// Where the phase functions find the record: by key (`NULL`), or by the row id that
+/// [`fence_batch`] kept.
+fn row_arg(fenced: bool) -> &'static str {
+    if fenced {
+        "pg_catalog.current_setting('tower_idempotency.row')::tid"
+    } else {
+        "NULL"
+    }
+}
+
+/// Opens a phase's transaction without a fence (`READ COMMITTED`, `REPEATABLE READ`): `BEGIN`,
+/// then one look that says the transaction's level (a connection whose default turns out to
+/// be `SERIALIZABLE` is rolled back and fenced instead) and whether the token still holds the
+/// record (`held`), so that a handler learns of a lost lease before it writes; `savepoint`:
+/// the last phase's savepoint. Under `REPEATABLE READ` the look takes the transaction's
+/// snapshot; no renewal runs until the phase ends, so the record it saw is the one the
+/// phase updates.
+pub(crate) fn begin_batch(
+    begin: &str,
+    (scope, key, token): (&str, &str, i64),
+    savepoint: bool,
+) -> Result<String, StoreError> {
+    let mut sql = String::with_capacity(300 + scope.len() + key.len());
+    sql.push_str(begin);
+    let look = fill(
+        &format!(
+            "; SELECT pg_catalog.current_setting('transaction_isolation') AS transaction_isolation, \
+             EXISTS (SELECT FROM tower_idempotency_keys WHERE {HELD}) AS held"
+        ),
+        &[Lit::Text(scope), Lit::Text(key), Lit::Int(token)],
+    )?;
+    sql.push_str(&look);
+    if savepoint {
+        sql.push_str("; SAVEPOINT ");
+        sql.push_str(LAST_SAVEPOINT);
+    }
+    Ok(sql)
+}
 
 /// The record's condition: the key, held by the token.
 const HELD: &str = "scope = $1 AND key = $2 AND lease_token = $3";
@@ -155,24 +197,28 @@ pub(crate) fn fence_batch(
     Ok(sql)
 }
 
-/// Records the phases (all of them, encoded) on the record and commits (one message).
+/// Records the phases (all of them, encoded) on the record, extends the lease and commits
+/// (one message).
 pub(crate) fn record_batch(
     (scope, key, token): (&str, &str, i64),
     phases: &[u8],
+    lease: Duration,
+    fenced: bool,
     (statement_timeout, lock_timeout): (Duration, Duration),
 ) -> Result<String, StoreError> {
-    let mut sql = String::with_capacity(200 + 2 * phases.len() + scope.len() + key.len());
+    let mut sql = String::with_capacity(300 + 2 * phases.len() + scope.len() + key.len());
     push_bounds(&mut sql, statement_timeout, lock_timeout);
     let record = fill(
         &format!(
-            "WITH done AS (UPDATE tower_idempotency_keys SET phases = $4 WHERE {HELD_ROW} \
-             RETURNING 1) SELECT 1 / count(*) AS changed FROM done"
+            "SELECT tower_idempotency_phase_record($1, $2, $3, $4, $5, {})",
+            row_arg(fenced)
         ),
         &[
             Lit::Text(scope),
             Lit::Text(key),
             Lit::Int(token),
             Lit::Bytes(phases),
+            Lit::Int(millis(lease)),
         ],
     )?;
     sql.push_str(&record);
@@ -181,28 +227,20 @@ pub(crate) fn record_batch(
 }
 
 /// Stores the answer on the record while the token holds it: the record becomes completed
-/// (its phases dropped), living `ttl` from now. Returns the rows changed (`changed`); or,
-/// `strict` (in a phase's transaction, after its fence), finds the record by its row id and
-/// fails with [`NOT_HELD`] when there is none.
+/// (its phases dropped), living `ttl` from now; raises [`NOT_HELD`] otherwise. `fenced`: in a
+/// phase's transaction opened by [`fence_batch`].
 pub(crate) fn complete_statement(
     (scope, key, token): (&str, &str, i64),
     ttl: Duration,
     stored: &StoredResponse,
-    strict: bool,
+    fenced: bool,
 ) -> Result<String, StoreError> {
     let status = status_column(stored)?;
     let headers = stored.encode_headers();
     fill(
         &format!(
-            "WITH done AS (UPDATE tower_idempotency_keys \
-                SET lease_token = NULL, lease_expires_at = NULL, phases = NULL, \
-                    completed_at = tower_idempotency_now(), \
-                    expires_at = tower_idempotency_now() + $4::float8 * interval '1 millisecond', \
-                    response_status = $5::smallint, response_headers = $6, response_body = $7 \
-              WHERE {} RETURNING 1) \
-             SELECT {} AS changed FROM done",
-            if strict { HELD_ROW } else { HELD },
-            if strict { "1 / count(*)" } else { "count(*)" }
+            "SELECT tower_idempotency_phase_complete($1, $2, $3, $4, $5::smallint, $6, $7, {})",
+            row_arg(fenced)
         ),
         &[
             Lit::Text(scope),
@@ -256,9 +294,9 @@ mod tests {
         assert_eq!(decode(&bytes).unwrap(), phases);
         assert!(decode(&[]).unwrap().is_empty());
         for cut in 1..bytes.len() {
-            // A truncated encoding never decodes into other phases silently.
+            // A truncated encoding decodes only where a phase ends, into the phases before.
             if let Ok(decoded) = decode(&bytes[..cut]) {
-                panic!("{cut}: {decoded:?}");
+                assert!(phases.starts_with(&decoded), "{cut}: {decoded:?}");
             }
         }
         assert!(
@@ -273,7 +311,8 @@ mod tests {
     fn every_statement_is_fenced_by_the_token() {
         let held = ("s", "k", 7);
         let bounds = (Duration::from_secs(5), Duration::from_secs(1));
-        let fence = fence_batch("BEGIN", held, Duration::from_secs(30), bounds, true).unwrap();
+        let lease = Duration::from_secs(30);
+        let fence = fence_batch("BEGIN", held, lease, bounds, true).unwrap();
         assert!(fence.starts_with("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SELECT"));
         assert!(
             fence.contains(
@@ -285,19 +324,30 @@ mod tests {
             fence.contains("AND scope = E's' AND key = E'k' AND lease_token = 7 RETURNING ctid)")
         );
         assert!(fence.ends_with("; SAVEPOINT tower_idempotency_handler"));
-        let record = record_batch(held, b"\x01", bounds).unwrap();
-        assert!(record.contains("SET phases = decode('01','hex') WHERE scope = E's' AND key = E'k' AND lease_token = 7 RETURNING 1) SELECT 1 / count(*)"), "{record}");
-        assert!(record.ends_with("; COMMIT"));
+        let begin = begin_batch("BEGIN", held, true).unwrap();
+        assert!(
+            begin.starts_with("BEGIN; SELECT pg_catalog.current_setting('transaction_isolation')")
+        );
+        assert!(begin.ends_with("WHERE scope = E's' AND key = E'k' AND lease_token = 7) AS held; SAVEPOINT tower_idempotency_handler"), "{begin}");
+        let record = record_batch(held, b"\x01", lease, false, bounds).unwrap();
+        assert_eq!(
+            record,
+            "SET LOCAL statement_timeout = 5000; SET LOCAL lock_timeout = 1000; \
+             SELECT tower_idempotency_phase_record(E's', E'k', 7, decode('01','hex'), 30000, NULL); COMMIT"
+        );
+        let fenced = record_batch(held, b"", lease, true, bounds).unwrap();
+        assert!(fenced.contains("current_setting('tower_idempotency.row')::tid)"));
+        let ok = StoredResponse::new(http::StatusCode::OK, http::HeaderMap::new(), Bytes::new());
+        let done = complete_statement(held, Duration::from_secs(1), &ok, false).unwrap();
+        assert!(
+            done.starts_with(
+                "SELECT tower_idempotency_phase_complete(E's', E'k', 7, 1000, 200::smallint"
+            ),
+            "{done}"
+        );
         for statement in [
             yield_statement(held).unwrap(),
             read_statement(held).unwrap(),
-            complete_statement(
-                held,
-                Duration::from_secs(1),
-                &StoredResponse::new(http::StatusCode::OK, http::HeaderMap::new(), Bytes::new()),
-                true,
-            )
-            .unwrap(),
         ] {
             assert!(statement.contains("lease_token = 7"), "{statement}");
         }
