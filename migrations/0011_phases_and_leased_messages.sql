@@ -75,10 +75,20 @@ BEGIN
 END
 $$;
 
--- Stores the answer: the record becomes completed, its phases dropped, living p_ttl_ms.
+-- Whether the token still holds the record: the look a phase opens with.
+CREATE FUNCTION tower_idempotency_phase_held(p_scope text, p_key text, p_token bigint)
+RETURNS boolean
+LANGUAGE sql STABLE
+AS $$
+    SELECT EXISTS (SELECT FROM tower_idempotency_keys AS k
+                    WHERE k.scope = p_scope AND k.key = p_key AND k.lease_token = p_token)
+$$;
+
+-- Stores the answer: the record becomes completed, its phases dropped, living p_ttl_ms; then
+-- wakes the key's waiters (p_wake, the key's hash; NULL: none to wake here).
 CREATE FUNCTION tower_idempotency_phase_complete(
     p_scope text, p_key text, p_token bigint, p_ttl_ms bigint, p_status smallint,
-    p_headers bytea, p_body bytea, p_row tid)
+    p_headers bytea, p_body bytea, p_row tid, p_wake bigint)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
 AS $$
@@ -102,6 +112,7 @@ BEGIN
         RAISE EXCEPTION 'the idempotency key is no longer held by this request'
             USING ERRCODE = 'TI001';
     END IF;
+    PERFORM tower_idempotency_wake(p_wake);
 END
 $$;
 
@@ -113,7 +124,8 @@ DECLARE
 BEGIN
     FOREACH f IN ARRAY ARRAY[
         'tower_idempotency_phase_record(text, text, bigint, bytea, bigint, tid)',
-        'tower_idempotency_phase_complete(text, text, bigint, bigint, smallint, bytea, bytea, tid)']
+        'tower_idempotency_phase_held(text, text, bigint)',
+        'tower_idempotency_phase_complete(text, text, bigint, bigint, smallint, bytea, bytea, tid, bigint)']
     LOOP
         EXECUTE pg_catalog.format(
             'ALTER FUNCTION %s SET search_path = pg_catalog, %I, pg_temp',

@@ -126,8 +126,8 @@ use crate::service::{
 use crate::store::PostgresStore;
 use crate::store::listen::wake_statement;
 use crate::store::postgres::phases::{
-    self, LAST_SAVEPOINT, MAX_PHASES_BYTES, NOT_HELD, Recorded, begin_batch, complete_statement,
-    fence_batch, read_statement, record_batch, yield_statement,
+    self, MAX_PHASES_BYTES, NOT_HELD, Recorded, begin_batch, complete_statement, fence_batch,
+    read_statement, record_batch, yield_statement,
 };
 use crate::store::postgres::{db_error, is_serialization_failure};
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
@@ -440,7 +440,7 @@ impl Phases {
             return Err(PhaseError::Misuse("a step after the last phase was opened"));
         }
         let _row = self.inner.row.lock().await;
-        let (mut tx, fenced, _) = self.open(false).await?;
+        let (mut tx, fenced, _) = self.open().await?;
         let conn = tx.conn()?;
         let value = match work(conn).await {
             Ok(value) => value,
@@ -508,7 +508,7 @@ impl Phases {
             .map_err(|_| PhaseError::Unavailable)?;
         if last.is_none() {
             let row = self.inner.row.clone().lock_owned().await;
-            let (tx, fenced, read_committed) = self.open(true).await?;
+            let (tx, fenced, read_committed) = self.open().await?;
             *last = Some(LastTx {
                 tx,
                 read_committed,
@@ -532,7 +532,7 @@ impl Phases {
     /// Opens a phase's transaction (its caller holds `row`, so no renewal runs meanwhile):
     /// plain `BEGIN` below `SERIALIZABLE`, else with the fence. Returns the transaction,
     /// whether it is fenced, and whether it is `READ COMMITTED`.
-    async fn open<E>(&self, last: bool) -> Result<(OpenTx, bool, bool), PhaseError<E>> {
+    async fn open<E>(&self) -> Result<(OpenTx, bool, bool), PhaseError<E>> {
         if self.inner.signal.is_lost() {
             return Err(PhaseError::LeaseLost);
         }
@@ -543,7 +543,7 @@ impl Phases {
         if !serializable {
             let store = &self.inner.store;
             let bound = self.inner.store_timeout;
-            let batch = begin_batch(self.inner.begin, self.held(), last)?;
+            let batch = begin_batch(self.inner.begin, self.held())?;
             let opened = store_call(Operation::Claim, bound, async {
                 let conn = store.pool().acquire().await.map_err(db_error)?;
                 let mut tx = OpenTx {
@@ -580,11 +580,11 @@ impl Phases {
                 }
             }
         }
-        Ok((self.fence(last).await?, true, false))
+        Ok((self.fence().await?, true, false))
     }
 
     /// Opens a phase's transaction with its fence (`SERIALIZABLE`).
-    async fn fence<E>(&self, last: bool) -> Result<OpenTx, PhaseError<E>> {
+    async fn fence<E>(&self) -> Result<OpenTx, PhaseError<E>> {
         let store = &self.inner.store;
         let bound = self.inner.store_timeout;
         let batch = fence_batch(
@@ -592,7 +592,6 @@ impl Phases {
             self.held(),
             self.inner.lease,
             store.bounds(),
-            last,
         )?;
         let opened = store_call(Operation::Claim, bound, async {
             let conn = store.pool().acquire().await.map_err(db_error)?;
@@ -746,7 +745,7 @@ async fn read_phases(
 /// How the last phase ended.
 enum Completion {
     Committed,
-    /// The handler left the transaction aborted: its writes were rolled back to the savepoint
+    /// The handler left the transaction aborted: its writes were rolled back and its answer
     /// and its answer stored alone.
     StoredAlone,
     /// The token no longer holds the record; nothing committed.
@@ -768,57 +767,49 @@ async fn complete_last(
         fenced,
         _row,
     } = last;
-    let statement = complete_statement(phases.held(), ttl, stored, fenced)?;
-    let batch = |rollback: bool| {
-        let mut sql = String::with_capacity(statement.len() + 160);
-        if rollback {
-            sql.push_str("ROLLBACK TO SAVEPOINT ");
-            sql.push_str(LAST_SAVEPOINT);
-            sql.push_str("; ");
-        }
-        sql.push_str(&statement);
-        match notify {
-            Some(hash) if read_committed => {
-                sql.push_str("; ");
-                sql.push_str(&wake_statement(hash));
-                sql.push_str("; COMMIT");
-            }
-            Some(hash) => {
-                // Above READ COMMITTED the transaction's snapshot predates the waiters that
-                // registered while the handler ran: look for them after the commit.
-                sql.push_str("; COMMIT; BEGIN ISOLATION LEVEL READ COMMITTED; ");
-                sql.push_str(&wake_statement(hash));
-                sql.push_str("; COMMIT");
-            }
-            None => sql.push_str("; COMMIT"),
-        }
-        sql
+    // At READ COMMITTED the completion wakes the waiters itself (its statement's snapshot sees
+    // every registration); above it, the transaction's snapshot predates the waiters that
+    // registered while the handler ran: look for them after the commit.
+    let (wake_in, wake_after) = match notify {
+        Some(hash) if read_committed => (Some(hash), None),
+        other => (None, other),
     };
-    for rollback in [false, true] {
-        let rows = sqlx::raw_sql(AssertSqlSafe(batch(rollback)))
-            .fetch_all(tx.conn()?)
-            .await;
-        match rows {
-            Ok(_) => {
-                tx.ended();
-                return Ok(if rollback {
-                    Completion::StoredAlone
-                } else {
-                    Completion::Committed
-                });
+    let mut sql = complete_statement(phases.held(), ttl, stored, fenced, wake_in)?;
+    sql.push_str("; COMMIT");
+    if let Some(hash) = wake_after {
+        sql.push_str("; BEGIN ISOLATION LEVEL READ COMMITTED; ");
+        sql.push_str(&wake_statement(hash));
+        sql.push_str("; COMMIT");
+    }
+    let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(tx.conn()?).await;
+    match done {
+        Ok(_) => {
+            tx.ended();
+            Ok(Completion::Committed)
+        }
+        Err(e) if sqlstate(&e).as_deref() == Some(IN_FAILED_TRANSACTION) => {
+            // The handler left its last phase aborted: none of its writes can commit. Roll
+            // them back and store its answer alone (the steps before stay committed).
+            tx.rollback(None).await;
+            let sql = complete_statement(phases.held(), ttl, stored, false, notify)?;
+            match sqlx::raw_sql(AssertSqlSafe(sql))
+                .execute(phases.inner.store.pool())
+                .await
+            {
+                Ok(_) => Ok(Completion::StoredAlone),
+                Err(e) if sqlstate(&e).as_deref() == Some(NOT_HELD) => Ok(Completion::LeaseLost),
+                Err(e) => Ok(Completion::Failed(e)),
             }
-            Err(e) if !rollback && sqlstate(&e).as_deref() == Some(IN_FAILED_TRANSACTION) => {}
-            Err(e) if sqlstate(&e).as_deref() == Some(NOT_HELD) => {
-                tx.rollback_later();
-                return Ok(Completion::LeaseLost);
-            }
-            Err(e) => {
-                tx.rollback_later();
-                return Ok(Completion::Failed(e));
-            }
+        }
+        Err(e) if sqlstate(&e).as_deref() == Some(NOT_HELD) => {
+            tx.rollback_later();
+            Ok(Completion::LeaseLost)
+        }
+        Err(e) => {
+            tx.rollback_later();
+            Ok(Completion::Failed(e))
         }
     }
-    Err(StoreError::backend("the last phase could not be completed"))
 }
 
 // See `mode::private`: the sealed trait's method uses crate-private types by design.
@@ -989,11 +980,7 @@ impl Sealed for Phased {
         let Some(last) = last else {
             // No last phase: the answer is stored on its own.
             let completed = async {
-                let mut sql = complete_statement(held, config.ttl, &stored.answer, false)?;
-                if let Some(hash) = notify {
-                    sql.push_str("; ");
-                    sql.push_str(&wake_statement(hash));
-                }
+                let sql = complete_statement(held, config.ttl, &stored.answer, false, notify)?;
                 Ok(sqlx::raw_sql(AssertSqlSafe(sql))
                     .execute(store.pool())
                     .await)

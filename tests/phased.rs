@@ -522,7 +522,8 @@ async fn an_expired_record_is_a_new_request_that_resumes_nothing() {
     // A new request: its first step ran (a second payment row), nothing was resumed.
     assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 2);
     assert_eq!(
-        fx.scalar("SELECT count(*) FROM payments WHERE status = 'charged'").await,
+        fx.scalar("SELECT count(*) FROM payments WHERE status = 'charged'")
+            .await,
         1
     );
     fx.cleanup().await;

@@ -25,10 +25,6 @@ use crate::store::sql::{Lit, fill, push_bounds};
 /// The most a key's recorded phases (names and states, encoded) may take.
 pub(crate) const MAX_PHASES_BYTES: usize = 64 * 1024;
 
-/// The name of the savepoint set right after the last phase's fence: a handler that leaves
-/// that transaction aborted still has its answer stored with the key.
-pub(crate) const LAST_SAVEPOINT: &str = "tower_idempotency_handler";
-
 /// The phases a key's record holds, oldest first: each name with its state.
 pub(crate) type Recorded = Vec<(String, Bytes)>;
 
@@ -90,29 +86,23 @@ fn row_arg(fenced: bool) -> &'static str {
 /// Opens a phase's transaction without a fence (`READ COMMITTED`, `REPEATABLE READ`): `BEGIN`,
 /// then one look that says the transaction's level (a connection whose default turns out to
 /// be `SERIALIZABLE` is rolled back and fenced instead) and whether the token still holds the
-/// record (`held`), so that a handler learns of a lost lease before it writes; `savepoint`:
-/// the last phase's savepoint. Under `REPEATABLE READ` the look takes the transaction's
+/// record (`held`), so that a handler learns of a lost lease before it writes. Under `REPEATABLE READ` the look takes the transaction's
 /// snapshot; no renewal runs until the phase ends, so the record it saw is the one the
 /// phase updates.
 pub(crate) fn begin_batch(
     begin: &str,
     (scope, key, token): (&str, &str, i64),
-    savepoint: bool,
 ) -> Result<String, StoreError> {
     let mut sql = String::with_capacity(300 + scope.len() + key.len());
     sql.push_str(begin);
     let look = fill(
         &format!(
             "; SELECT pg_catalog.current_setting('transaction_isolation') AS transaction_isolation, \
-             EXISTS (SELECT FROM tower_idempotency_keys WHERE {HELD}) AS held"
+             tower_idempotency_phase_held($1, $2, $3) AS held"
         ),
         &[Lit::Text(scope), Lit::Text(key), Lit::Int(token)],
     )?;
     sql.push_str(&look);
-    if savepoint {
-        sql.push_str("; SAVEPOINT ");
-        sql.push_str(LAST_SAVEPOINT);
-    }
     Ok(sql)
 }
 
@@ -132,8 +122,7 @@ const HELD_ROW: &str = "ctid = pg_catalog.current_setting('tower_idempotency.row
 /// fence — the record, while the token holds it, gets its lease extended to `lease` from now
 /// (and its life to at least that) and is row-locked until the transaction ends; it returns
 /// a row `held` only then. The store's bounds hold for the fence alone: the settings before
-/// it are put back for the handler's statements. `savepoint`: end with the savepoint of the
-/// last phase.
+/// it are put back for the handler's statements.
 ///
 /// The record is found by its row id, looked up first in a `READ COMMITTED` transaction of
 /// its own (in the same message), so that no index page is predicate-locked under
@@ -145,7 +134,6 @@ pub(crate) fn fence_batch(
     (scope, key, token): (&str, &str, i64),
     lease: Duration,
     (statement_timeout, lock_timeout): (Duration, Duration),
-    savepoint: bool,
 ) -> Result<String, StoreError> {
     let mut sql = String::with_capacity(1200 + 2 * (scope.len() + key.len()));
     let look = fill(
@@ -190,10 +178,6 @@ pub(crate) fn fence_batch(
          current_setting('tower_idempotency.statement_timeout'), true), \
          set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true)",
     );
-    if savepoint {
-        sql.push_str("; SAVEPOINT ");
-        sql.push_str(LAST_SAVEPOINT);
-    }
     Ok(sql)
 }
 
@@ -227,20 +211,23 @@ pub(crate) fn record_batch(
 }
 
 /// Stores the answer on the record while the token holds it: the record becomes completed
-/// (its phases dropped), living `ttl` from now; raises [`NOT_HELD`] otherwise. `fenced`: in a
-/// phase's transaction opened by [`fence_batch`].
+/// (its phases dropped), living `ttl` from now, and wakes the waiters of `wake` (a key's
+/// hash); raises [`NOT_HELD`] otherwise. `fenced`: in a phase's transaction opened by
+/// [`fence_batch`].
 pub(crate) fn complete_statement(
     (scope, key, token): (&str, &str, i64),
     ttl: Duration,
     stored: &StoredResponse,
     fenced: bool,
+    wake: Option<i64>,
 ) -> Result<String, StoreError> {
     let status = status_column(stored)?;
     let headers = stored.encode_headers();
     fill(
         &format!(
-            "SELECT tower_idempotency_phase_complete($1, $2, $3, $4, $5::smallint, $6, $7, {})",
-            row_arg(fenced)
+            "SELECT tower_idempotency_phase_complete($1, $2, $3, $4, $5::smallint, $6, $7, {}, {})",
+            row_arg(fenced),
+            wake.map_or_else(|| "NULL".to_owned(), |hash| format!("({hash})"))
         ),
         &[
             Lit::Text(scope),
@@ -312,7 +299,7 @@ mod tests {
         let held = ("s", "k", 7);
         let bounds = (Duration::from_secs(5), Duration::from_secs(1));
         let lease = Duration::from_secs(30);
-        let fence = fence_batch("BEGIN", held, lease, bounds, true).unwrap();
+        let fence = fence_batch("BEGIN", held, lease, bounds).unwrap();
         assert!(fence.starts_with("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SELECT"));
         assert!(
             fence.contains(
@@ -323,12 +310,12 @@ mod tests {
         assert!(
             fence.contains("AND scope = E's' AND key = E'k' AND lease_token = 7 RETURNING ctid)")
         );
-        assert!(fence.ends_with("; SAVEPOINT tower_idempotency_handler"));
-        let begin = begin_batch("BEGIN", held, true).unwrap();
-        assert!(
-            begin.starts_with("BEGIN; SELECT pg_catalog.current_setting('transaction_isolation')")
+        let begin = begin_batch("BEGIN", held).unwrap();
+        assert_eq!(
+            begin,
+            "BEGIN; SELECT pg_catalog.current_setting('transaction_isolation') AS transaction_isolation, \
+             tower_idempotency_phase_held(E's', E'k', 7) AS held"
         );
-        assert!(begin.ends_with("WHERE scope = E's' AND key = E'k' AND lease_token = 7) AS held; SAVEPOINT tower_idempotency_handler"), "{begin}");
         let record = record_batch(held, b"\x01", lease, false, bounds).unwrap();
         assert_eq!(
             record,
@@ -338,7 +325,8 @@ mod tests {
         let fenced = record_batch(held, b"", lease, true, bounds).unwrap();
         assert!(fenced.contains("current_setting('tower_idempotency.row')::tid)"));
         let ok = StoredResponse::new(http::StatusCode::OK, http::HeaderMap::new(), Bytes::new());
-        let done = complete_statement(held, Duration::from_secs(1), &ok, false).unwrap();
+        let done = complete_statement(held, Duration::from_secs(1), &ok, false, Some(-3)).unwrap();
+        assert!(done.ends_with(", NULL, (-3))"), "{done}");
         assert!(
             done.starts_with(
                 "SELECT tower_idempotency_phase_complete(E's', E'k', 7, 1000, 200::smallint"
