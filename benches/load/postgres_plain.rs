@@ -155,7 +155,7 @@ const HAND_COMBINED_CLAIM: &str = "SELECT CASE WHEN scope IS NULL
           LEFT JOIN tower_idempotency_keys ON scope = $1 AND key = $2";
 
 /// The UPDATE that the store's completion function (`tower_idempotency_plain_complete`) runs.
-const HAND_COMPLETE: &str = "
+pub(crate) const HAND_COMPLETE: &str = "
 UPDATE tower_idempotency_keys
    SET lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
        expires_at = now() + $4::float8 * interval '1 millisecond',

@@ -12,6 +12,8 @@
 //! | `realistic-tx` | `PostgresStore::transactional()`: the handler's statements in the layer's transaction, committed with the key | the handler alone, in its own transaction |
 //! | `realistic-phased` | `PostgresStore::phased()`: the key claimed first; the handler reads the order, calls the provider with no transaction open, and writes the payment and the order in its last phase, committed with the answer | the handler alone, in its own transaction |
 //! | `realistic-plain-by-hand` (reference, no layer) | the handler in its own transaction between the plain store's cheapest statements sent by hand as prepared statements (its `INSERT … ON CONFLICT DO NOTHING` claim before, its completing `UPDATE` after, each in its own transaction): the least a plain-mode design costs | the handler alone |
+//! | `realistic-phased-by-hand` (reference, no layer) | the least a phased design costs: the claim's `INSERT … ON CONFLICT DO NOTHING` committed on its own (one simple-protocol message, as the layer sends it), the order read, the provider called with no transaction open, then the payment, the order and the key's completing `UPDATE` in one transaction | the handler alone, in its own transaction |
+//! | `realistic-phased-by-hand-async-claim` (reference, no layer) | the same, the claim's commit not waiting for its WAL flush (`SET LOCAL synchronous_commit = off`): what the claim's own durability costs | the handler alone, in its own transaction |
 //! | `realistic-tx-record-only` (reference, no layer) | the handler in its own transaction, which also inserts the key's completed record before it commits (in the `COMMIT`'s message): no claim at all, the least that storing the answer with the handler's writes can cost | the handler alone |
 
 use std::net::SocketAddr;
@@ -35,9 +37,11 @@ use tower_idempotency::{IdempotencyLayer, IdempotentTx, Phases, PostgresStore, S
 
 use crate::BoxError;
 use crate::pg_schema::PgSchema;
-use crate::postgres_plain::{HAND_CLAIM, hand_claim, hand_complete};
+use crate::postgres_plain::{HAND_CLAIM, HAND_COMPLETE, hand_claim, hand_complete};
 use crate::scenario::{Built, Ctx, KeyPlan, PATH, Scenario, fnv1a, key_of, problem};
-use crate::transactional::{PAYMENTS_DDL, commit_with_answer, payment_created};
+use crate::transactional::{
+    PAYMENTS_DDL, commit_with_answer, payment_created, push_hex, push_text,
+};
 
 /// The realistic scenarios, in the order they run (first: their figure leads BENCHMARKS.md).
 pub(crate) const SCENARIOS: &[Scenario] = &[
@@ -67,6 +71,23 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         build: |ctx| Box::pin(build(ctx, Side::Phased)),
     },
     Scenario {
+        name: "realistic-phased-by-hand",
+        layer_side: "reference, no layer: the claim INSERT committed alone, SELECT, the 2 ms \
+                     call with no transaction open, then INSERT, UPDATE and the key's \
+                     completing UPDATE in one transaction: the floor of phased mode",
+        baseline: "the same handler alone, in its own transaction",
+        target: 0.80,
+        build: |ctx| Box::pin(build(ctx, Side::PhasedByHand { async_claim: false })),
+    },
+    Scenario {
+        name: "realistic-phased-by-hand-async-claim",
+        layer_side: "reference, no layer: realistic-phased-by-hand with the claim's commit \
+                     not waiting for its WAL flush",
+        baseline: "the same handler alone, in its own transaction",
+        target: 0.80,
+        build: |ctx| Box::pin(build(ctx, Side::PhasedByHand { async_claim: true })),
+    },
+    Scenario {
         name: "realistic-plain-by-hand",
         layer_side: "reference, no layer: the same handler between the plain store's \
                      cheapest claim and completion, by hand and prepared: the ceiling of \
@@ -93,6 +114,7 @@ enum Side {
     PlainByHand,
     Transactional,
     Phased,
+    PhasedByHand { async_claim: bool },
     RecordOnly,
 }
 
@@ -278,6 +300,72 @@ async fn pay_phased(
     }
 }
 
+/// The least a phased design costs, by hand (`realistic-phased-by-hand`): the claim committed
+/// alone, the provider called with no transaction open, the payment, the order and the key's
+/// completion in one transaction.
+async fn pay_phased_by_hand(
+    State((payments, async_claim)): State<(Payments, bool)>,
+    parts: Parts,
+    body: Bytes,
+) -> Response {
+    let Some(key) = key_of(&parts.headers).map(str::to_owned) else {
+        return problem(StatusCode::BAD_REQUEST);
+    };
+    let fp = fingerprint(&parts, &[], &body);
+    let paid = async {
+        let pool = &payments.pool;
+        let mut claim = String::with_capacity(400);
+        if async_claim {
+            claim.push_str("SET LOCAL synchronous_commit = off; ");
+        }
+        claim.push_str(
+            "INSERT INTO tower_idempotency_keys AS k \
+             (scope, key, fingerprint, lease_token, lease_expires_at, expires_at) \
+             VALUES ('', ",
+        );
+        push_text(&mut claim, &key);
+        claim.push_str(", ");
+        push_hex(&mut claim, &fp.as_bytes()[..]);
+        claim.push_str(
+            ", nextval('tower_idempotency_lease_token_seq'), now() + interval '30 seconds', \
+             now() + interval '1 day') ON CONFLICT (scope, key) DO NOTHING \
+             RETURNING k.lease_token AS inserted",
+        );
+        let claimed = sqlx::raw_sql(sqlx::AssertSqlSafe(claim))
+            .fetch_optional(pool)
+            .await?
+            .ok_or("the claim of a new key found a record")?;
+        let token: i64 = sqlx::Row::try_get(&claimed, "inserted")?;
+        let order = order_of(&key);
+        let amount = read_amount(pool, order).await?;
+        charge_at_provider(&payments, &key, amount).await?;
+        let mut tx = pool.begin().await?;
+        let id = record_payment(&mut tx, order, amount).await?;
+        let (head, res_body) = payment_created(id, body.len()).into_parts();
+        let res_body = axum::body::to_bytes(res_body, usize::MAX).await?;
+        let stored = StoredResponse::new(head.status, head.headers.clone(), res_body.clone());
+        sqlx::query(HAND_COMPLETE)
+            .bind("")
+            .bind(&key)
+            .bind(token)
+            .bind(86_400_000_i64)
+            .bind(i16::try_from(stored.status().as_u16())?)
+            .bind(stored.encode_headers())
+            .bind(stored.body().map_or(&[][..], |b| &b[..]))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok::<_, BoxError>(Response::from_parts(head, axum::body::Body::from(res_body)))
+    };
+    match paid.await {
+        Ok(res) => res,
+        Err(e) => {
+            eprintln!("phased by hand: {e}");
+            problem(StatusCode::SERVICE_UNAVAILABLE)
+        }
+    }
+}
+
 /// The handler between the plain store's claim and completion, by hand
 /// (`realistic-plain-by-hand`).
 async fn pay_plain_by_hand(
@@ -380,6 +468,9 @@ async fn build(ctx: &Ctx, side: Side) -> Result<Built, BoxError> {
             .route(PATH, post(pay_phased))
             .with_state(payments)
             .layer(IdempotencyLayer::new(store.phased())),
+        Side::PhasedByHand { async_claim } => Router::new()
+            .route(PATH, post(pay_phased_by_hand))
+            .with_state((payments, async_claim)),
         Side::Plain => Router::new()
             .route(PATH, post(pay_own_tx))
             .with_state(payments)

@@ -322,7 +322,7 @@ fn push_record_insert(sql: &mut String, key: &str, fp: &Fingerprint, answer: &St
 }
 
 /// Appends `text` as an `E'…'` constant, quotes and backslashes doubled, as the layer does.
-fn push_text(sql: &mut String, text: &str) {
+pub(crate) fn push_text(sql: &mut String, text: &str) {
     sql.push_str("E'");
     for c in text.chars() {
         if c == '\'' || c == '\\' {
@@ -334,7 +334,7 @@ fn push_text(sql: &mut String, text: &str) {
 }
 
 /// Appends `bytes` as `decode('<hex>','hex')`, as the layer does.
-fn push_hex(sql: &mut String, bytes: &[u8]) {
+pub(crate) fn push_hex(sql: &mut String, bytes: &[u8]) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     sql.push_str("decode('");
     for b in bytes {
