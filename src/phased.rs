@@ -99,7 +99,7 @@
 use std::convert::Infallible;
 use std::future::{Future, poll_fn};
 use std::pin::pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex as SyncMutex};
 use std::task::Poll;
 use std::time::Duration;
@@ -107,6 +107,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
+use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 use tokio::sync::{Mutex, MutexGuard, OwnedMutexGuard};
 use tokio::time::Instant;
@@ -127,7 +128,7 @@ use crate::store::PostgresStore;
 use crate::store::listen::wake_statement;
 use crate::store::postgres::phases::{
     self, MAX_PHASES_BYTES, NOT_HELD, Recorded, begin_batch, complete_statement, fence_batch,
-    read_statement, record_batch, yield_statement,
+    held_batch, read_statement, record_batch, yield_statement,
 };
 use crate::store::postgres::{db_error, is_serialization_failure};
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
@@ -140,9 +141,31 @@ use crate::wait::claim_or_wait;
 pub struct Phased {
     store: PostgresStore,
     isolation: Option<IsolationLevel>,
-    /// Whether the connections' default isolation level was found to be `SERIALIZABLE` (when
-    /// [`Phased::with_isolation`] set none): phases are then fenced from the start.
-    serializable_default: Arc<AtomicBool>,
+    /// The connections' default isolation level, once a phase found it (when
+    /// [`Phased::with_isolation`] set none): [`LEVEL_UNKNOWN`] or a [`level_code`].
+    default_level: Arc<AtomicU8>,
+}
+
+/// [`Phased::default_level`] before a phase found the level.
+const LEVEL_UNKNOWN: u8 = 0;
+
+/// An isolation level as [`Phased::default_level`] keeps it.
+fn level_code(level: IsolationLevel) -> u8 {
+    match level {
+        IsolationLevel::ReadCommitted => 1,
+        IsolationLevel::RepeatableRead => 2,
+        IsolationLevel::Serializable => 3,
+    }
+}
+
+/// The level `transaction_isolation` names.
+fn level_named(name: &str) -> Option<IsolationLevel> {
+    match name {
+        "read committed" | "read uncommitted" => Some(IsolationLevel::ReadCommitted),
+        "repeatable read" => Some(IsolationLevel::RepeatableRead),
+        "serializable" => Some(IsolationLevel::Serializable),
+        _ => None,
+    }
 }
 
 impl PostgresStore {
@@ -153,7 +176,7 @@ impl PostgresStore {
         Phased {
             store: self.clone(),
             isolation: None,
-            serializable_default: Arc::new(AtomicBool::new(false)),
+            default_level: Arc::new(AtomicU8::new(LEVEL_UNKNOWN)),
         }
     }
 }
@@ -324,7 +347,7 @@ struct Inner {
     store_timeout: Duration,
     begin: &'static str,
     isolation: Option<IsolationLevel>,
-    serializable_default: Arc<AtomicBool>,
+    default_level: Arc<AtomicU8>,
     signal: Lease,
     /// The step a resumed request found last committed.
     resumed_after: Option<String>,
@@ -536,51 +559,83 @@ impl Phases {
         if self.inner.signal.is_lost() {
             return Err(PhaseError::LeaseLost);
         }
-        let serializable = match self.inner.isolation {
-            Some(level) => level == IsolationLevel::Serializable,
-            None => self.inner.serializable_default.load(Ordering::Relaxed),
-        };
-        if !serializable {
-            let store = &self.inner.store;
-            let bound = self.inner.store_timeout;
-            let batch = begin_batch(self.inner.begin, self.held())?;
-            let opened = store_call(Operation::Claim, bound, async {
-                let conn = store.pool().acquire().await.map_err(db_error)?;
-                let mut tx = OpenTx {
-                    conn: Some(conn),
-                    bound,
-                };
-                let rows = sqlx::raw_sql(AssertSqlSafe(batch))
-                    .fetch_all(tx.conn()?)
-                    .await
-                    .map_err(|e| store.error(e))?;
-                let look = rows.iter().find_map(|r| {
-                    let level = r.try_get::<String, _>("transaction_isolation").ok()?;
-                    Some((level, r.try_get::<bool, _>("held").ok()?))
-                });
-                Ok((tx, look.unwrap_or_default()))
-            })
-            .await?;
-            match opened {
-                (tx, (_, false)) => {
+        let level = self.inner.isolation.or_else(|| {
+            let code = self.inner.default_level.load(Ordering::Relaxed);
+            [
+                IsolationLevel::ReadCommitted,
+                IsolationLevel::RepeatableRead,
+                IsolationLevel::Serializable,
+            ]
+            .into_iter()
+            .find(|&level| level_code(level) == code)
+        });
+        match level {
+            Some(IsolationLevel::Serializable) => Ok((self.fence().await?, true, false)),
+            // A level below SERIALIZABLE: `BEGIN` and a look at the token, so that the handler
+            // learns of a lost lease before it writes (the phase's statements on the record
+            // refuse it at the end all the same).
+            Some(level) => {
+                let batch = held_batch(self.inner.begin, self.held())?;
+                let (tx, rows) = self.begin_with(batch).await?;
+                if !rows
+                    .iter()
+                    .any(|r| r.try_get::<bool, _>("held").is_ok_and(|held| held))
+                {
                     tx.rollback(None).await;
                     self.lose();
                     return Err(PhaseError::LeaseLost);
                 }
-                (tx, (level, true)) if level != "serializable" => {
-                    return Ok((tx, false, level == "read committed"));
-                }
-                (tx, _) => {
-                    // The connections' default is SERIALIZABLE: fence this phase and the
-                    // next ones.
-                    self.inner
-                        .serializable_default
-                        .store(true, Ordering::Relaxed);
+                Ok((tx, false, level == IsolationLevel::ReadCommitted))
+            }
+            // The connections' default is not known yet: look (once per layer).
+            None => {
+                let batch = begin_batch(self.inner.begin, self.held())?;
+                let (tx, rows) = self.begin_with(batch).await?;
+                let look = rows.iter().find_map(|r| {
+                    let level = r.try_get::<String, _>("transaction_isolation").ok()?;
+                    Some((level_named(&level)?, r.try_get::<bool, _>("held").ok()?))
+                });
+                let Some((level, held)) = look else {
                     tx.rollback(None).await;
+                    return Err(PhaseError::Store(StoreError::Corrupt(
+                        "the phase's look returned no level".into(),
+                    )));
+                };
+                self.inner
+                    .default_level
+                    .store(level_code(level), Ordering::Relaxed);
+                if !held {
+                    tx.rollback(None).await;
+                    self.lose();
+                    return Err(PhaseError::LeaseLost);
                 }
+                if level == IsolationLevel::Serializable {
+                    tx.rollback(None).await;
+                    return Ok((self.fence().await?, true, false));
+                }
+                Ok((tx, false, level == IsolationLevel::ReadCommitted))
             }
         }
-        Ok((self.fence().await?, true, false))
+    }
+
+    /// Takes a pooled connection and sends `sql`, which opens a transaction.
+    async fn begin_with<E>(&self, sql: String) -> Result<(OpenTx, Vec<PgRow>), PhaseError<E>> {
+        let store = &self.inner.store;
+        let bound = self.inner.store_timeout;
+        let opened = store_call(Operation::Claim, bound, async {
+            let conn = store.pool().acquire().await.map_err(db_error)?;
+            let mut tx = OpenTx {
+                conn: Some(conn),
+                bound,
+            };
+            let rows = sqlx::raw_sql(AssertSqlSafe(sql))
+                .fetch_all(tx.conn()?)
+                .await
+                .map_err(|e| store.error(e))?;
+            Ok((tx, rows))
+        })
+        .await?;
+        Ok(opened)
     }
 
     /// Opens a phase's transaction with its fence (`SERIALIZABLE`).
@@ -903,7 +958,7 @@ impl Sealed for Phased {
                 store_timeout: config.store_timeout,
                 begin: self.isolation.map_or("BEGIN", IsolationLevel::begin),
                 isolation: self.isolation,
-                serializable_default: self.serializable_default.clone(),
+                default_level: self.default_level.clone(),
                 signal: Lease::new(),
                 resumed_after: recorded.last().map(|(name, _)| name.clone()),
                 recorded: SyncMutex::new(recorded),

@@ -83,7 +83,22 @@ fn row_arg(fenced: bool) -> &'static str {
     }
 }
 
-/// Opens a phase's transaction without a fence (`READ COMMITTED`, `REPEATABLE READ`): `BEGIN`,
+/// Opens a phase's transaction without a fence, at a level known to be below `SERIALIZABLE`:
+/// `BEGIN`, then whether the token still holds the record (`held`).
+pub(crate) fn held_batch(
+    begin: &str,
+    (scope, key, token): (&str, &str, i64),
+) -> Result<String, StoreError> {
+    let mut sql = String::with_capacity(120 + scope.len() + key.len());
+    sql.push_str(begin);
+    sql.push_str(&fill(
+        "; SELECT tower_idempotency_phase_held($1, $2, $3) AS held",
+        &[Lit::Text(scope), Lit::Text(key), Lit::Int(token)],
+    )?);
+    Ok(sql)
+}
+
+/// Opens a phase's transaction when the connections' default level is not known yet: `BEGIN`,
 /// then one look that says the transaction's level (a connection whose default turns out to
 /// be `SERIALIZABLE` is rolled back and fenced instead) and whether the token still holds the
 /// record (`held`), so that a handler learns of a lost lease before it writes. Under `REPEATABLE READ` the look takes the transaction's
