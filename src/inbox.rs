@@ -62,6 +62,10 @@ use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 
+mod lease;
+
+pub use lease::{Claim, MessageLease};
+
 use crate::error::StoreError;
 use crate::store::postgres::{db_error, migrate, millis};
 use crate::store::sql::{Lit, fill};
@@ -90,6 +94,17 @@ pub enum InboxError<E> {
     /// The message ID is empty or longer than 1024 bytes.
     #[error("message IDs must be 1 to 1024 bytes long")]
     InvalidMessageId,
+    /// Another worker holds the message under a lease ([`Inbox::claim`]) that has not run
+    /// out: do not acknowledge; let the broker deliver it again after `retry_after`.
+    #[error("the message is being processed by another worker; retry after {retry_after:?}")]
+    InProgress {
+        /// How long until the other worker's lease runs out.
+        retry_after: Duration,
+    },
+    /// The lease of a [`MessageLease`] was lost: another worker took the message over after
+    /// the lease ran out. Nothing was committed; do not acknowledge.
+    #[error("the message's lease was lost to another worker; nothing was committed")]
+    LeaseLost,
     /// The work returned `Ok`, but its transaction could no longer commit: a statement in it
     /// failed and the work carried on (Postgres aborts the whole transaction at the first
     /// failed statement), or the work ended the transaction itself. Nothing was committed.
@@ -132,6 +147,59 @@ const STILL_RECORDED: &str = "
 SELECT EXISTS (SELECT 1 FROM tower_idempotency_processed_messages
                 WHERE consumer = $1 AND message_id = $2)";
 
+/// How long a leased claim of the message ([`Inbox::claim`]) still holds it: a row only for
+/// a leased message, with `lease_left_ms` (zero once the lease ran out).
+const LEASE_LOOK: &str = "
+SELECT greatest(0, (extract(epoch FROM lease_expires_at - tower_idempotency_now()) * 1000)::bigint)
+           AS lease_left_ms
+  FROM tower_idempotency_processed_messages
+ WHERE consumer = $1 AND message_id = $2 AND lease_token IS NOT NULL";
+
+/// Takes over a leased claim whose lease ran out (its worker died), in the transaction of
+/// [`Inbox::process`].
+const TAKE_OVER: &str = "
+UPDATE tower_idempotency_processed_messages
+   SET lease_token = NULL, lease_expires_at = NULL, processed_at = tower_idempotency_now()
+ WHERE consumer = $1 AND message_id = $2
+   AND lease_token IS NOT NULL AND lease_expires_at <= tower_idempotency_now()";
+
+/// When the ID was not recorded because a row holds it: `true` when that row was a leased
+/// claim whose lease ran out, now taken over in `tx`; [`InboxError::InProgress`] when its
+/// lease still holds; `false` when the message was processed.
+async fn take_over_an_expired_claim<E>(
+    tx: &mut PgConnection,
+    consumer: &str,
+    message_id: &str,
+) -> Result<bool, InboxError<E>> {
+    let key = [Lit::Text(consumer), Lit::Text(message_id)];
+    let look = fill(LEASE_LOOK, &key)?;
+    let row = sqlx::raw_sql(AssertSqlSafe(look))
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error)?;
+    let Some(row) = row else {
+        return Ok(false);
+    };
+    let left: i64 = row.try_get("lease_left_ms").map_err(db_error)?;
+    if left > 0 {
+        return Err(InboxError::InProgress {
+            retry_after: Duration::from_millis(left.unsigned_abs()),
+        });
+    }
+    let take = fill(TAKE_OVER, &key)?;
+    let taken = sqlx::raw_sql(AssertSqlSafe(take))
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error)?;
+    if taken.rows_affected() == 1 {
+        Ok(true)
+    } else {
+        Err(InboxError::InProgress {
+            retry_after: Duration::from_secs(1),
+        })
+    }
+}
+
 /// SQLSTATE `serialization_failure`.
 const SERIALIZATION_FAILURE: &str = "40001";
 /// SQLSTATE `in_failed_sql_transaction`: a statement sent in an aborted transaction.
@@ -152,6 +220,7 @@ DELETE FROM tower_idempotency_processed_messages
  WHERE ctid = ANY (ARRAY(
        SELECT ctid FROM tower_idempotency_processed_messages
         WHERE processed_at < tower_idempotency_now() - $1::float8 * interval '1 millisecond'
+          AND (lease_token IS NULL OR lease_expires_at <= tower_idempotency_now())
         ORDER BY processed_at
         LIMIT $2
           FOR UPDATE SKIP LOCKED))";
@@ -242,7 +311,7 @@ impl Inbox {
             }
             Err(err) => return Err(db_error(err).into()),
         };
-        if !recorded {
+        if !recorded && !take_over_an_expired_claim(&mut tx, consumer, message_id).await? {
             tx.rollback().await.map_err(db_error)?;
             return Ok(Delivery::Duplicate);
         }
@@ -277,7 +346,8 @@ impl Inbox {
     }
 
     /// After a serialization failure on the insert of the ID: [`Delivery::Duplicate`] when
-    /// the ID is committed (a concurrent delivery processed the message), else the failure.
+    /// the ID is committed (a concurrent delivery processed the message),
+    /// [`InboxError::InProgress`] when a leased claim holds it, else the failure.
     async fn duplicate_or<T, E>(
         &self,
         consumer: &str,
@@ -294,10 +364,19 @@ impl Inbox {
             .await
             .map_err(db_error)?;
         let committed: bool = row.try_get(0).map_err(db_error)?;
-        if committed {
-            Ok(Delivery::Duplicate)
-        } else {
-            Err(db_error(failure).into())
+        if !committed {
+            return Err(db_error(failure).into());
+        }
+        let look = fill(LEASE_LOOK, &[Lit::Text(consumer), Lit::Text(message_id)])?;
+        let row = sqlx::raw_sql(AssertSqlSafe(look))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_error)?;
+        match row.map(|r| r.try_get::<Option<i64>, _>("lease_left_ms")) {
+            Some(Ok(Some(left))) => Err(InboxError::InProgress {
+                retry_after: Duration::from_millis(left.unsigned_abs().max(1)),
+            }),
+            _ => Ok(Delivery::Duplicate),
         }
     }
 

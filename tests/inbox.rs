@@ -465,3 +465,206 @@ async fn a_redelivery_during_the_first_waits_at_most_the_lock_timeout() {
     assert_eq!(ledger(&inbox).await, (1, 5));
     done(schema, inbox).await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Leased claims (`Inbox::claim`), for work that calls out
+// ---------------------------------------------------------------------------------------------
+
+use tower_idempotency::inbox::Claim;
+
+const LEASE: Duration = Duration::from_secs(30);
+
+/// Expires every lease of the inbox, as if its worker died long ago.
+async fn expire_leases(inbox: &Inbox) {
+    sqlx::query(
+        "UPDATE tower_idempotency_processed_messages \
+            SET lease_expires_at = now() - interval '1 second' WHERE lease_token IS NOT NULL",
+    )
+    .execute(inbox.pool())
+    .await
+    .unwrap();
+}
+
+fn acquired(claim: Claim) -> tower_idempotency::inbox::MessageLease {
+    match claim {
+        Claim::Acquired(lease) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimed_message_is_in_progress_for_redeliveries_then_processed_once() {
+    let (schema, inbox) = setup().await;
+    let lease = acquired(inbox.claim::<()>("charges", "m1", LEASE).await.unwrap());
+    // The remote call runs now: no connection is held, and a redelivery is told to wait.
+    // (A connection given back reaches the pool's idle list in a task: wait for it.)
+    let mut lent = usize::MAX;
+    for _ in 0..40 {
+        lent = inbox.pool().size() as usize - inbox.pool().num_idle();
+        if lent == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(lent, 0, "a connection is held while the message is claimed");
+    match inbox.claim::<()>("charges", "m1", LEASE).await.unwrap() {
+        Claim::InProgress { retry_after } => {
+            assert!(retry_after > Duration::from_secs(25) && retry_after <= LEASE);
+        }
+        other => panic!("{other:?}"),
+    }
+    match inbox
+        .process("charges", "m1", async |c: &mut PgConnection| {
+            charge(c, "m1", 1).await
+        })
+        .await
+    {
+        Err(InboxError::InProgress { .. }) => {}
+        other => panic!("process while claimed: {other:?}"),
+    }
+    assert!(lease.renew().await.unwrap());
+    let charged = lease
+        .commit(async |c: &mut PgConnection| charge(c, "m1", 700).await)
+        .await
+        .unwrap();
+    assert_eq!(charged, 700);
+    assert!(matches!(
+        inbox.claim::<()>("charges", "m1", LEASE).await.unwrap(),
+        Claim::Duplicate
+    ));
+    let again = inbox
+        .process("charges", "m1", async |c: &mut PgConnection| {
+            charge(c, "m1", 1).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, Delivery::Duplicate);
+    assert_eq!(ledger(&inbox).await, (1, 700));
+    schema.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_taken_over_after_it_ran_out_commits_nothing() {
+    let (schema, inbox) = setup().await;
+    let first = acquired(inbox.claim::<()>("charges", "m2", LEASE).await.unwrap());
+    // The first worker stalls past its lease; the redelivery takes the message over.
+    expire_leases(&inbox).await;
+    let second = acquired(inbox.claim::<()>("charges", "m2", LEASE).await.unwrap());
+    assert!(!first.renew().await.unwrap(), "the first lease is lost");
+    let ran = Arc::new(AtomicUsize::new(0));
+    let counted = ran.clone();
+    let lost = first
+        .commit(async move |c: &mut PgConnection| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            charge(c, "m2", 5).await
+        })
+        .await;
+    assert!(matches!(lost, Err(InboxError::LeaseLost)), "{lost:?}");
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        0,
+        "the lost lease's work never ran"
+    );
+    second
+        .commit(async |c: &mut PgConnection| charge(c, "m2", 6).await)
+        .await
+        .unwrap();
+    assert_eq!(ledger(&inbox).await, (1, 6));
+    schema.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_failed_or_dropped_claim_frees_the_message_at_once() {
+    let (schema, inbox) = setup().await;
+    acquired(inbox.claim::<()>("c", "released", LEASE).await.unwrap())
+        .release()
+        .await
+        .unwrap();
+    let failed = acquired(inbox.claim::<()>("c", "released", LEASE).await.unwrap())
+        .commit(async |_: &mut PgConnection| Err::<(), _>("provider down"))
+        .await;
+    assert!(matches!(failed, Err(InboxError::Work("provider down"))));
+    drop(acquired(
+        inbox.claim::<()>("c", "dropped", LEASE).await.unwrap(),
+    ));
+    // Released in the background after a failure or a drop.
+    for id in ["released", "dropped"] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match inbox.claim::<()>("c", id, LEASE).await.unwrap() {
+                Claim::Acquired(lease) => {
+                    lease
+                        .commit(async |c: &mut PgConnection| charge(c, id, 1).await)
+                        .await
+                        .unwrap();
+                    break;
+                }
+                Claim::InProgress { .. } if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                other => panic!("{id}: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(ledger(&inbox).await, (2, 2));
+    schema.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn process_takes_over_a_claim_whose_worker_died() {
+    let (schema, inbox) = setup().await;
+    let dead = acquired(inbox.claim::<()>("c", "m3", LEASE).await.unwrap());
+    expire_leases(&inbox).await;
+    let done = inbox
+        .process("c", "m3", async |c: &mut PgConnection| {
+            charge(c, "m3", 9).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(done, Delivery::Processed(9));
+    assert!(matches!(
+        dead.commit(async |c: &mut PgConnection| charge(c, "m3", 1).await)
+            .await,
+        Err(InboxError::LeaseLost)
+    ));
+    assert_eq!(ledger(&inbox).await, (1, 9));
+    schema.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_concurrent_claims_acquire_once() {
+    let (schema, inbox) = setup().await;
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let inbox = inbox.clone();
+        tasks.push(tokio::spawn(async move {
+            match inbox.claim::<()>("c", "race", LEASE).await.unwrap() {
+                Claim::Acquired(lease) => {
+                    lease
+                        .commit(async |c: &mut PgConnection| charge(c, "race", 1).await)
+                        .await
+                        .unwrap();
+                    "acquired"
+                }
+                Claim::InProgress { .. } => "in progress",
+                Claim::Duplicate => "duplicate",
+            }
+        }));
+    }
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(t.await.unwrap());
+    }
+    assert_eq!(
+        outcomes.iter().filter(|&&o| o == "acquired").count(),
+        1,
+        "{outcomes:?}"
+    );
+    assert_eq!(ledger(&inbox).await, (1, 1));
+    let too_long = "x".repeat(1025);
+    assert!(matches!(
+        inbox.claim::<()>("c", &too_long, LEASE).await,
+        Err(InboxError::InvalidMessageId)
+    ));
+    schema.drop_schema().await;
+}

@@ -1,0 +1,305 @@
+//! Leased claims of messages, for work that calls out ([`Inbox::claim`]).
+
+use std::time::Duration;
+
+use sqlx::{AssertSqlSafe, PgConnection, Row};
+
+use super::{
+    IN_FAILED_TRANSACTION, Inbox, InboxError, MAX_MESSAGE_ID, SERIALIZATION_FAILURE,
+    STILL_RECORDED, has_sqlstate,
+};
+use crate::error::StoreError;
+use crate::store::postgres::{db_error, millis};
+use crate::store::sql::{Lit, fill};
+
+/// What [`Inbox::claim`] found.
+#[derive(Debug)]
+#[must_use]
+pub enum Claim {
+    /// This worker holds the message now: do its remote work, then
+    /// [`commit`](MessageLease::commit) its database work with the message's ID.
+    Acquired(MessageLease),
+    /// The message was processed before: acknowledge it, and do nothing.
+    Duplicate,
+    /// Another worker holds the message under a lease that has not run out: do not work on it
+    /// and do not acknowledge it; ask the broker to deliver it again after `retry_after`
+    /// (JetStream: `nak` with that delay; RabbitMQ: reject and requeue after it).
+    InProgress {
+        /// How long until the other worker's lease runs out.
+        retry_after: Duration,
+    },
+}
+
+/// A message claimed with a lease ([`Inbox::claim`]). While it is held, a redelivery of the
+/// message is told [`Claim::InProgress`], and no connection is held.
+///
+/// End it with [`commit`](Self::commit) (the work and the ID commit together) or
+/// [`release`](Self::release) (the next delivery works on it at once). Dropped without
+/// either, it is released in the background.
+#[derive(Debug)]
+pub struct MessageLease {
+    inbox: Inbox,
+    consumer: String,
+    message_id: String,
+    token: i64,
+    lease: Duration,
+    ended: bool,
+}
+
+/// Claims a message: a new row with a token and the lease's end, or a row whose lease ran out
+/// (a worker that died) taken over. Returns the token, or no row when the message is
+/// processed or held.
+const CLAIM: &str = "
+INSERT INTO tower_idempotency_processed_messages AS m
+       (consumer, message_id, lease_token, lease_expires_at)
+VALUES ($1, $2, nextval('tower_idempotency_lease_token_seq'),
+        tower_idempotency_now() + $3::float8 * interval '1 millisecond')
+ON CONFLICT (consumer, message_id) DO UPDATE
+   SET lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
+       processed_at = tower_idempotency_now()
+ WHERE m.lease_token IS NOT NULL AND m.lease_expires_at <= tower_idempotency_now()
+RETURNING m.lease_token AS token";
+
+/// The message's row as a fresh statement sees it: processed (no token), or held and for how
+/// much longer.
+const LOOK: &str = "
+SELECT lease_token IS NOT NULL AS leased,
+       greatest(0, (extract(epoch FROM lease_expires_at - tower_idempotency_now()) * 1000)::bigint)
+           AS lease_left_ms
+  FROM tower_idempotency_processed_messages
+ WHERE consumer = $1 AND message_id = $2";
+
+/// Extends the lease the token holds.
+const RENEW: &str = "
+UPDATE tower_idempotency_processed_messages
+   SET lease_expires_at = tower_idempotency_now() + $4::float8 * interval '1 millisecond'
+ WHERE consumer = $1 AND message_id = $2 AND lease_token = $3";
+
+/// Gives the message back.
+const RELEASE: &str = "
+DELETE FROM tower_idempotency_processed_messages
+ WHERE consumer = $1 AND message_id = $2 AND lease_token = $3";
+
+/// Turns the claim into a processed message, inside the work's transaction (its first
+/// statement: it locks the row, so no takeover can commit before the work does).
+const FINISH: &str = "
+UPDATE tower_idempotency_processed_messages
+   SET lease_token = NULL, lease_expires_at = NULL, processed_at = tower_idempotency_now()
+ WHERE consumer = $1 AND message_id = $2 AND lease_token = $3";
+
+/// How often a claim that lost a race (the row changed between two statements) is tried
+/// again before the message counts as held.
+const CLAIM_ATTEMPTS: usize = 4;
+
+impl Inbox {
+    /// Claims `message_id` for `consumer` with a lease, committed at once, for work that
+    /// calls out (a payment provider, another service): the remote call runs with no
+    /// transaction open, and the database work commits with the ID afterwards
+    /// ([`MessageLease::commit`]).
+    ///
+    /// A redelivery while the lease holds is told [`Claim::InProgress`], so it does not start
+    /// the same work a second time; once the lease runs out (the worker died), the next
+    /// delivery takes the message over. The work's remote calls must carry a key derived
+    /// from the message ID, since a takeover runs them again.
+    ///
+    /// # Errors
+    ///
+    /// [`InboxError::InvalidMessageId`], or [`InboxError::Store`] when the database fails.
+    pub async fn claim<E>(
+        &self,
+        consumer: &str,
+        message_id: &str,
+        lease: Duration,
+    ) -> Result<Claim, InboxError<E>> {
+        if message_id.is_empty() || message_id.len() > MAX_MESSAGE_ID {
+            return Err(InboxError::InvalidMessageId);
+        }
+        let key = [Lit::Text(consumer), Lit::Text(message_id)];
+        let claim = fill(CLAIM, &[key[0], key[1], Lit::Int(millis(lease))])?;
+        let look = fill(LOOK, &key)?;
+        for _ in 0..CLAIM_ATTEMPTS {
+            // One statement each, over the simple protocol (pooler-safe); a fresh snapshot each.
+            let claimed = sqlx::raw_sql(AssertSqlSafe(claim.as_str()))
+                .fetch_optional(&self.pool)
+                .await;
+            match claimed {
+                Ok(Some(row)) => {
+                    return Ok(Claim::Acquired(MessageLease {
+                        inbox: self.clone(),
+                        consumer: consumer.to_owned(),
+                        message_id: message_id.to_owned(),
+                        token: row.try_get("token").map_err(db_error)?,
+                        lease,
+                        ended: false,
+                    }));
+                }
+                Ok(None) => {}
+                // REPEATABLE READ or SERIALIZABLE by default: a row committed after the
+                // statement's snapshot. Look again with a new one.
+                Err(e) if has_sqlstate(&e, SERIALIZATION_FAILURE) => continue,
+                Err(e) => return Err(db_error(e).into()),
+            }
+            let row = sqlx::raw_sql(AssertSqlSafe(look.as_str()))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db_error)?;
+            match row {
+                // Released or purged between the two statements: claim again.
+                None => {}
+                Some(row) if !row.try_get::<bool, _>("leased").map_err(db_error)? => {
+                    return Ok(Claim::Duplicate);
+                }
+                Some(row) => {
+                    let left: i64 = row.try_get("lease_left_ms").map_err(db_error)?;
+                    if left > 0 {
+                        return Ok(Claim::InProgress {
+                            retry_after: Duration::from_millis(left.unsigned_abs()),
+                        });
+                    }
+                    // The lease ran out between the two statements: take it over.
+                }
+            }
+        }
+        Ok(Claim::InProgress {
+            retry_after: Duration::from_secs(1),
+        })
+    }
+}
+
+impl MessageLease {
+    /// The message's ID.
+    pub fn message_id(&self) -> &str {
+        &self.message_id
+    }
+
+    /// The lease's length, as claimed.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    fn args(&self) -> [Lit<'_>; 3] {
+        [
+            Lit::Text(&self.consumer),
+            Lit::Text(&self.message_id),
+            Lit::Int(self.token),
+        ]
+    }
+
+    /// Extends the lease to its length from now, for work that outlasts it. Returns `false`
+    /// when the lease was lost (another worker took the message over): stop, the other
+    /// worker's result is the one that commits.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError`] when the database fails.
+    pub async fn renew(&self) -> Result<bool, StoreError> {
+        let [consumer, id, token] = self.args();
+        let sql = fill(RENEW, &[consumer, id, token, Lit::Int(millis(self.lease))])?;
+        let done = sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&self.inbox.pool)
+            .await
+            .map_err(db_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Gives the message back: the next delivery works on it at once.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError`] when the database fails (the lease then frees it when it runs out).
+    pub async fn release(mut self) -> Result<(), StoreError> {
+        self.ended = true;
+        let sql = fill(RELEASE, &self.args())?;
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&self.inbox.pool)
+            .await
+            .map_err(db_error)?;
+        Ok(())
+    }
+
+    /// Runs `work` in a transaction that also records the message as processed, and commits
+    /// both, while the lease still holds the message. Acknowledge the message after this
+    /// returns `Ok`.
+    ///
+    /// # Errors
+    ///
+    /// [`InboxError::LeaseLost`] when another worker took the message over (nothing ran),
+    /// [`InboxError::Work`], [`InboxError::Aborted`] and [`InboxError::Store`] as in
+    /// [`Inbox::process`]. In every case nothing was committed, and the lease is released
+    /// (unless it was lost), so the redelivery works on the message at once: do not
+    /// acknowledge.
+    pub async fn commit<T, E, F>(mut self, work: F) -> Result<T, InboxError<E>>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+    {
+        let outcome = self.commit_inner(work).await;
+        match &outcome {
+            Ok(_) | Err(InboxError::LeaseLost) => self.ended = true,
+            // Dropped: released in the background.
+            Err(_) => {}
+        }
+        outcome
+    }
+
+    async fn commit_inner<T, E, F>(&self, work: F) -> Result<T, InboxError<E>>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+    {
+        let pool = &self.inbox.pool;
+        let mut tx = pool.begin().await.map_err(db_error)?;
+        // In the transaction a pooler keeps this client's server connection: unnamed bound
+        // statements are safe here.
+        let finished = sqlx::query(FINISH)
+            .bind(&self.consumer)
+            .bind(&self.message_id)
+            .bind(self.token)
+            .persistent(false)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        if finished.rows_affected() != 1 {
+            return Err(InboxError::LeaseLost);
+        }
+        let out = work(&mut tx).await.map_err(InboxError::Work)?;
+        let pending = match sqlx::query_scalar(STILL_RECORDED)
+            .bind(&self.consumer)
+            .bind(&self.message_id)
+            .persistent(false)
+            .fetch_one(&mut *tx)
+            .await
+        {
+            Ok(pending) => pending,
+            Err(err) if has_sqlstate(&err, IN_FAILED_TRANSACTION) => false,
+            Err(err) => return Err(db_error(err).into()),
+        };
+        if !pending {
+            return Err(InboxError::Aborted);
+        }
+        tx.commit().await.map_err(db_error)?;
+        Ok(out)
+    }
+}
+
+impl Drop for MessageLease {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // The lease frees the message when it runs out.
+            return;
+        };
+        let Ok(sql) = fill(RELEASE, &self.args()) else {
+            return;
+        };
+        let pool = self.inbox.pool.clone();
+        runtime.spawn(async move {
+            if let Err(e) = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&pool).await {
+                tracing::warn!(
+                    error = &e as &dyn std::error::Error,
+                    "could not release a message lease; it frees the message when it runs out"
+                );
+            }
+        });
+    }
+}
