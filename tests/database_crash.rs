@@ -1,0 +1,319 @@
+//! Phased mode when the database itself crashes: a Postgres server of the test's own is
+//! stopped in `immediate` mode (every server process killed, as in a crash; the next start
+//! replays the WAL) while a request waits in its remote call between phases. What a phase
+//! committed survives, and nothing is done twice.
+#![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
+
+mod support;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use sqlx::postgres::PgPoolOptions;
+use support::{read, req};
+use tokio::sync::Notify;
+use tower::{Layer, ServiceExt};
+use tower_idempotency::body::RequestBody;
+use tower_idempotency::{IdempotencyLayer, Phases, PostgresStore};
+
+/// A Postgres server of this test's own, in a temporary directory.
+struct Server {
+    bin: PathBuf,
+    data: PathBuf,
+    port: u16,
+    as_postgres: bool,
+}
+
+fn bindir() -> PathBuf {
+    let from_pg_config = Command::new("pg_config")
+        .arg("--bindir")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+    let candidates = from_pg_config.into_iter().chain(
+        std::fs::read_dir("/usr/lib/postgresql")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path().join("bin")),
+    );
+    for dir in candidates {
+        if dir.join("initdb").exists() && dir.join("pg_ctl").exists() {
+            return dir;
+        }
+    }
+    panic!(
+        "this test runs a Postgres server of its own and found no initdb/pg_ctl: install the \
+         PostgreSQL server (Debian/Ubuntu: apt-get install postgresql; ./scripts/test.sh does)"
+    );
+}
+
+impl Server {
+    fn run(&self, program: &str, args: &[&str]) -> std::process::Output {
+        let bin = self.bin.join(program);
+        let mut cmd = if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(bin);
+            c
+        } else {
+            Command::new(bin)
+        };
+        let out = cmd.args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{program} {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    fn init() -> Server {
+        let bin = bindir();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(format!("ti-dbcrash-{}", support::unique()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // initdb refuses to run as root: run the server as the postgres system user then.
+        let as_postgres = Command::new("id").arg("-u").output().unwrap().stdout == b"0\n";
+        if as_postgres {
+            Command::new("chown")
+                .args(["-R", "postgres"])
+                .arg(&dir)
+                .status()
+                .unwrap();
+        }
+        let server = Server {
+            bin,
+            data: dir.join("data"),
+            port,
+            as_postgres,
+        };
+        let data = server.data.to_str().unwrap().to_owned();
+        server.run(
+            "initdb",
+            &["-D", &data, "-U", "postgres", "--auth=trust", "--no-sync"],
+        );
+        server.start();
+        server
+    }
+
+    fn start(&self) {
+        let data = self.data.to_str().unwrap().to_owned();
+        let sockets = self.data.parent().unwrap().to_str().unwrap().to_owned();
+        let options = format!(
+            "-p {} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=on \
+             -c synchronous_commit=on",
+            self.port
+        );
+        let log = self
+            .data
+            .parent()
+            .unwrap()
+            .join("log")
+            .to_str()
+            .unwrap()
+            .to_owned();
+        self.run(
+            "pg_ctl",
+            &["-D", &data, "-o", &options, "-l", &log, "-w", "start"],
+        );
+    }
+
+    /// Every server process killed at once, as in a crash: the next start recovers from the
+    /// WAL.
+    fn crash(&self) {
+        let data = self.data.to_str().unwrap().to_owned();
+        self.run("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"]);
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let data = self.data.to_str().unwrap_or_default().to_owned();
+        let _ = Command::new(if self.as_postgres { "runuser" } else { "true" })
+            .args(if self.as_postgres {
+                vec!["-u", "postgres", "--"]
+            } else {
+                vec![]
+            })
+            .arg(self.bin.join("pg_ctl"))
+            .args(["-D", &data, "-m", "immediate", "stop"])
+            .output();
+        if let Some(dir) = Path::new(&data).parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// `future`, or a failure naming `what` after 30 s.
+async fn within<F: Future>(future: F, what: &str) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(30), future)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: nothing after 30 s"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn phases_committed_before_a_database_crash_survive_it_and_nothing_runs_twice() {
+    let server = Server::init();
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(20))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE payments (id bigserial PRIMARY KEY, status text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let in_call = Arc::new(Notify::new());
+    let go_on = Arc::new(Notify::new());
+    let steps_run = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (in_call, go_on, steps_run) = (in_call.clone(), go_on.clone(), steps_run.clone());
+        tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
+            let (in_call, go_on, steps_run) = (in_call.clone(), go_on.clone(), steps_run.clone());
+            async move {
+                let phases = req.extensions().get::<Phases>().unwrap().clone();
+                let answer = |status: StatusCode, body: String| {
+                    let mut res = Response::new(Full::new(Bytes::from(body)));
+                    *res.status_mut() = status;
+                    Ok::<_, std::io::Error>(res)
+                };
+                let id: i64 = match phases
+                    .step("pending", async |conn| {
+                        steps_run.fetch_add(1, Ordering::SeqCst);
+                        sqlx::query_scalar(
+                            "INSERT INTO payments (status) VALUES ('pending') RETURNING id",
+                        )
+                        .fetch_one(conn)
+                        .await
+                    })
+                    .await
+                {
+                    Ok(id) => id,
+                    Err(e) => return answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                };
+                // The remote call; the database crashes meanwhile.
+                in_call.notify_one();
+                go_on.notified().await;
+                let last = async {
+                    let mut tx = phases.tx().await.map_err(|e| e.to_string())?;
+                    sqlx::query("UPDATE payments SET status = 'charged' WHERE id = $1")
+                        .bind(id)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    Ok::<_, String>(())
+                };
+                match last.await {
+                    Ok(()) => answer(StatusCode::CREATED, format!("payment {id}")),
+                    Err(e) => answer(StatusCode::SERVICE_UNAVAILABLE, e),
+                }
+            }
+        })
+    };
+    let svc = IdempotencyLayer::new(store.phased()).layer(handler);
+
+    let first = tokio::spawn(svc.clone().oneshot(req("POST", "/pay", Some("k"), "{}")));
+    within(
+        in_call.notified(),
+        "the first request reaches its remote call",
+    )
+    .await;
+    server.crash();
+    server.start();
+    // The request goes on after the crash: its claim and its step were committed before it,
+    // so they survived, and its last phase commits with the answer.
+    go_on.notify_one();
+    let first = read(
+        within(first, "the first request's answer")
+            .await
+            .unwrap()
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(steps_run.load(Ordering::SeqCst), 1);
+    let rows: Vec<(i64, String)> = sqlx::query_as("SELECT id, status FROM payments")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, vec![(1, "charged".to_owned())]);
+    let replay = read(
+        svc.clone()
+            .oneshot(req("POST", "/pay", Some("k"), "{}"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(replay.body, first.body);
+
+    // A second request is waiting in its remote call when the database crashes, and stalls
+    // there past its lease (forced here: its lease's end moved into the past). A retry takes
+    // the key over and resumes after the committed step; then both go on: the stalled one
+    // finds its lease lost and commits nothing, the retry completes.
+    let second = tokio::spawn(svc.clone().oneshot(req("POST", "/pay", Some("k2"), "{}")));
+    within(
+        in_call.notified(),
+        "the second request reaches its remote call",
+    )
+    .await;
+    server.crash();
+    server.start();
+    sqlx::query(
+        "UPDATE tower_idempotency_keys SET lease_expires_at = now() - interval '1 second' \
+          WHERE key = 'k2' AND lease_token IS NOT NULL",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let retry = tokio::spawn(svc.clone().oneshot(req("POST", "/pay", Some("k2"), "{}")));
+    within(in_call.notified(), "the retry reaches its remote call").await;
+    go_on.notify_waiters();
+    let second = read(
+        within(second, "the second request's answer")
+            .await
+            .unwrap()
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(second.status, 503, "{}", second.text());
+    assert!(
+        second.text().contains("lease was lost"),
+        "{}",
+        second.text()
+    );
+    let retry = read(within(retry, "the retry's answer").await.unwrap().unwrap()).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert_eq!(
+        steps_run.load(Ordering::SeqCst),
+        2,
+        "the committed step did not run again"
+    );
+    let (payments, charged): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(*) FILTER (WHERE status = 'charged') FROM payments")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((payments, charged), (2, 2));
+    pool.close().await;
+}
