@@ -50,7 +50,7 @@
 //!     // No transaction is open: call the provider, with a key derived from the request's.
 //!     let charge = format!("ch_{id}"); // provider.charge(phases.key().derive("charge")).await
 //!     // The last phase: its writes commit with the answer.
-//!     let mut tx = phases.tx().await.map_err(fail)?;
+//!     let mut tx = phases.tx().await.map_err(|_| http::StatusCode::SERVICE_UNAVAILABLE)?;
 //!     sqlx::query("UPDATE payments SET status = 'charged', charge = $1 WHERE id = $2")
 //!         .bind(&charge)
 //!         .bind(id)
