@@ -5,14 +5,20 @@
 -- the same transaction. A request that takes the key over after the lease (the first one's
 -- process died, or it answered 5xx after some phases) reads them back and resumes after the
 -- last one. `phases` holds them, encoded by the crate (a list of name and state pairs); it
--- is NULL on a record without phases and on every completed record.
+-- is NULL on a record without phases and on every completed record. `request` keeps, when
+-- the layer is asked to (`Phased::with_resumable_requests`), the request itself, written with
+-- its first phase, so that a completer can run it again when no retry comes; NULL otherwise
+-- and once completed. The partial index finds the records a completer looks for.
 --
 -- A takeover of an abandoned record (same fingerprint, lease run out) is a resume: it keeps
 -- the phases. A takeover of an expired record is a new claim: the request is treated as new,
 -- so the phases of the request before it must not be resumed. The takeover function is
 -- rewritten from its definition as it stands with that one change; its settings are kept.
 
-ALTER TABLE tower_idempotency_keys ADD COLUMN phases bytea;
+ALTER TABLE tower_idempotency_keys ADD COLUMN phases bytea, ADD COLUMN request bytea;
+
+CREATE INDEX tower_idempotency_keys_phased ON tower_idempotency_keys (lease_expires_at)
+    WHERE phases IS NOT NULL;
 
 DO $$
 DECLARE
@@ -24,7 +30,8 @@ BEGIN
         pg_catalog.current_schema())));
     changed := pg_catalog.replace(definition, 'completed_at = NULL,',
         'completed_at = NULL, phases = CASE WHEN k.expires_at > tower_idempotency_now() '
-        'THEN k.phases END,');
+        'THEN k.phases END, request = CASE WHEN k.expires_at > tower_idempotency_now() '
+        'THEN k.request END,');
     IF changed = definition THEN
         RAISE EXCEPTION 'tower_idempotency_plain_takeover has an unexpected definition';
     END IF;
@@ -49,22 +56,23 @@ ALTER TABLE tower_idempotency_processed_messages
 -- would predicate-lock an index page, which other keys' phases then conflict with); NULL
 -- looks it up by key.
 
--- Records the phases committed so far (all of them, encoded by the crate) and extends the
--- lease to p_lease_ms from now.
+-- Records the phases committed so far (all of them, encoded by the crate), and the request
+-- when given, and extends the lease to p_lease_ms from now.
 CREATE FUNCTION tower_idempotency_phase_record(
-    p_scope text, p_key text, p_token bigint, p_phases bytea, p_lease_ms bigint, p_row tid)
+    p_scope text, p_key text, p_token bigint, p_phases bytea, p_lease_ms bigint, p_row tid,
+    p_request bytea)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
     IF p_row IS NULL THEN
         UPDATE tower_idempotency_keys AS k
-           SET phases = p_phases,
+           SET phases = p_phases, request = coalesce(p_request, k.request),
                lease_expires_at = tower_idempotency_now() + p_lease_ms::float8 * interval '1 millisecond'
          WHERE k.scope = p_scope AND k.key = p_key AND k.lease_token = p_token;
     ELSE
         UPDATE tower_idempotency_keys AS k
-           SET phases = p_phases,
+           SET phases = p_phases, request = coalesce(p_request, k.request),
                lease_expires_at = tower_idempotency_now() + p_lease_ms::float8 * interval '1 millisecond'
          WHERE k.ctid = p_row AND k.scope = p_scope AND k.key = p_key AND k.lease_token = p_token;
     END IF;
@@ -95,14 +103,14 @@ AS $$
 BEGIN
     IF p_row IS NULL THEN
         UPDATE tower_idempotency_keys AS k
-           SET lease_token = NULL, lease_expires_at = NULL, phases = NULL,
+           SET lease_token = NULL, lease_expires_at = NULL, phases = NULL, request = NULL,
                completed_at = tower_idempotency_now(),
                expires_at = tower_idempotency_now() + p_ttl_ms::float8 * interval '1 millisecond',
                response_status = p_status, response_headers = p_headers, response_body = p_body
          WHERE k.scope = p_scope AND k.key = p_key AND k.lease_token = p_token;
     ELSE
         UPDATE tower_idempotency_keys AS k
-           SET lease_token = NULL, lease_expires_at = NULL, phases = NULL,
+           SET lease_token = NULL, lease_expires_at = NULL, phases = NULL, request = NULL,
                completed_at = tower_idempotency_now(),
                expires_at = tower_idempotency_now() + p_ttl_ms::float8 * interval '1 millisecond',
                response_status = p_status, response_headers = p_headers, response_body = p_body
@@ -123,7 +131,7 @@ DECLARE
     f text;
 BEGIN
     FOREACH f IN ARRAY ARRAY[
-        'tower_idempotency_phase_record(text, text, bigint, bytea, bigint, tid)',
+        'tower_idempotency_phase_record(text, text, bigint, bytea, bigint, tid, bytea)',
         'tower_idempotency_phase_held(text, text, bigint)',
         'tower_idempotency_phase_complete(text, text, bigint, bigint, smallint, bytea, bytea, tid, bigint)']
     LOOP

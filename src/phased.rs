@@ -144,6 +144,8 @@ pub struct Phased {
     /// The connections' default isolation level, once a phase found it (when
     /// [`Phased::with_isolation`] set none): [`LEVEL_UNKNOWN`] or a [`level_code`].
     default_level: Arc<AtomicU8>,
+    /// The largest request kept for a completer ([`Phased::with_resumable_requests`]).
+    resumable: Option<usize>,
 }
 
 /// [`Phased::default_level`] before a phase found the level.
@@ -177,6 +179,7 @@ impl PostgresStore {
             store: self.clone(),
             isolation: None,
             default_level: Arc::new(AtomicU8::new(LEVEL_UNKNOWN)),
+            resumable: None,
         }
     }
 }
@@ -193,9 +196,27 @@ impl Phased {
         self.isolation = Some(level);
         self
     }
+
+    /// Keeps each request (method, path, headers and body, encoded) with its key's record
+    /// from its first step until it completes, so that a completer
+    /// ([`Phased::complete_abandoned`], [`spawn_completer`]) can run it again when its process
+    /// died and no retry came. Requests of more than `max_bytes` encoded are not kept (their
+    /// retries still resume).
+    ///
+    /// The kept headers include the request's credentials (the completer must present them
+    /// again for the layer's scope and the handler's authorization): they stay in the keys
+    /// table until the key completes. Turn this on only where that is acceptable.
+    pub fn with_resumable_requests(mut self, max_bytes: usize) -> Self {
+        self.resumable = Some(max_bytes);
+        self
+    }
 }
 
 impl Mode for Phased {}
+
+mod completer;
+
+pub use completer::{CompleterRun, spawn_completer};
 
 /// A value a step records as its state, to be given back when a retry resumes after it.
 ///
@@ -358,6 +379,9 @@ struct Inner {
     row: Arc<Mutex<()>>,
     /// The last phase's transaction, once opened.
     last: Mutex<Option<LastTx>>,
+    /// The request, encoded, to keep with the first step ([`Phased::with_resumable_requests`]);
+    /// `None` once kept.
+    request: SyncMutex<Option<Vec<u8>>>,
 }
 
 struct LastTx {
@@ -482,9 +506,16 @@ impl Phases {
                 return Err(PhaseError::StateTooLarge);
             }
         };
+        let request = self
+            .inner
+            .request
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone();
         let batch = record_batch(
             self.held(),
             &encoded,
+            request.as_deref(),
             self.inner.lease,
             fenced,
             self.inner.store.bounds(),
@@ -499,6 +530,13 @@ impl Phases {
             Ok(_) => {
                 tx.ended();
                 *self.recorded() = phases;
+                if request.is_some() {
+                    *self
+                        .inner
+                        .request
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+                }
                 Ok(value)
             }
             Err(e) if sqlstate(&e).as_deref() == Some(IN_FAILED_TRANSACTION) => {
@@ -890,11 +928,14 @@ impl Sealed for Phased {
             mut parts,
             scope,
             fingerprint,
-            buffered,
+            mut buffered,
         } = match prepare(&config, req).await {
             Ok(prepared) => prepared,
             Err(rejected) => return Ok(rejected),
         };
+        let kept_request = self
+            .resumable
+            .and_then(|max| completer::keep_request(&parts, &mut buffered, max));
         let unavailable = |err: StoreError, what: &'static str| {
             record(Outcome::StoreError);
             log_store_error(&err, what);
@@ -964,6 +1005,7 @@ impl Sealed for Phased {
                 recorded: SyncMutex::new(recorded),
                 row: Arc::new(Mutex::new(())),
                 last: Mutex::new(None),
+                request: SyncMutex::new(kept_request),
             }),
         };
         if let Some(point) = phases.recovery_point() {

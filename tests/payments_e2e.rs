@@ -1766,11 +1766,12 @@ async fn postgres_payments_killed_at_random_points_are_charged_once() {
             ("IDEMPOTENCY_LEASE_MS", "800"),
         ];
         let db = inspect(&url).await;
-        let mut seed = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .subsec_nanos() as u64
-            | 1;
+        let mut seed = u64::from(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .subsec_nanos(),
+        ) | 1;
         let mut random = move |below: u64| {
             seed ^= seed << 13;
             seed ^= seed >> 7;

@@ -15,6 +15,7 @@ use http_body_util::Full;
 use sqlx::PgPool;
 use support::{Answer, PgSchema, read, req};
 use tokio::sync::Notify;
+use tower::util::BoxCloneService;
 use tower::{Layer, ServiceExt};
 use tower_idempotency::body::RequestBody;
 use tower_idempotency::{
@@ -113,6 +114,15 @@ impl Fx {
     ) -> impl Fn(Request<Full<Bytes>>) -> std::pin::Pin<Box<dyn Future<Output = Answer> + Send>>
     + Clone
     + use<> {
+        let svc = self.service(mode, lease);
+        move |r| {
+            let svc = svc.clone();
+            Box::pin(async move { read(svc.oneshot(r).await.unwrap()).await })
+        }
+    }
+
+    /// The layer in `mode` over the test's payment handler, as a service.
+    fn service(&self, mode: Phased, lease: Duration) -> Svc {
         let provider = self.provider.clone();
         let script = self.script.clone();
         let pool = self.store.pool().clone();
@@ -169,9 +179,9 @@ impl Fx {
                 };
                 // The remote call: no transaction open, no pooled connection lent out. (A
                 // connection given back goes to the pool's idle list in a task: wait for it.)
-                let mut lent = 0;
+                let mut lent = 0usize;
                 for _ in 0..40 {
-                    lent = pool.size() - pool.num_idle() as u32;
+                    lent = (pool.size() as usize).saturating_sub(pool.num_idle());
                     if lent == 0 {
                         break;
                     }
@@ -189,7 +199,7 @@ impl Fx {
                     .seen_during_call
                     .lock()
                     .unwrap()
-                    .push((lent, idle_in_tx));
+                    .push((u32::try_from(lent).unwrap(), idle_in_tx));
                 if path == "/hold" && phases.recovery_point().is_none() {
                     script.holding.notify_one();
                     script.release.notified().await;
@@ -233,11 +243,7 @@ impl Fx {
                 }
             }
         });
-        let svc = IdempotencyLayer::new(mode).with_lease(lease).layer(handler);
-        move |r| {
-            let svc = svc.clone();
-            Box::pin(async move { read(svc.oneshot(r).await.unwrap()).await })
-        }
+        BoxCloneService::new(IdempotencyLayer::new(mode).with_lease(lease).layer(handler))
     }
 
     async fn cleanup(self) {
@@ -248,6 +254,12 @@ impl Fx {
 }
 
 const LEASE: Duration = Duration::from_secs(30);
+
+type Svc = BoxCloneService<
+    Request<Full<Bytes>>,
+    Response<tower_idempotency::body::ResponseBody<Full<Bytes>>>,
+    std::io::Error,
+>;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn steps_commit_alone_the_remote_call_holds_nothing_and_the_answer_commits_last() {
@@ -525,6 +537,113 @@ async fn an_expired_record_is_a_new_request_that_resumes_nothing() {
         fx.scalar("SELECT count(*) FROM payments WHERE status = 'charged'")
             .await,
         1
+    );
+    fx.cleanup().await;
+}
+
+/// The completer runs again the request of a key abandoned after a step (no retry came): it
+/// resumes after the step and stores the answer, which the client's late retry replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_drives_an_abandoned_key_to_its_answer() {
+    let fx = Fx::new().await;
+    let phased = fx.store.phased().with_resumable_requests(64 * 1024);
+    let mut svc = fx.service(phased.clone(), LEASE);
+    let app = fx.app(phased.clone(), LEASE);
+    // Abandoned after its step (a 5xx ends the claim at once; a crash would after its lease).
+    let first = app(req("POST", "/fail-after-charge", Some("c"), "{\"n\":1}")).await;
+    assert_eq!(first.status, 502);
+    // Without kept requests, a key is not the completer's.
+    let unkept = fx.store.phased();
+    let other = fx.app(unkept.clone(), LEASE);
+    assert_eq!(
+        other(req("POST", "/fail-after-charge", Some("u"), "{}"))
+            .await
+            .status,
+        502
+    );
+    // A grace longer than the time since the claim ended: nothing to do yet.
+    let early = phased
+        .complete_abandoned(&mut svc, Duration::from_secs(60), 10)
+        .await
+        .unwrap();
+    assert_eq!(early.found, 0);
+    let run = phased
+        .complete_abandoned(&mut svc, Duration::ZERO, 10)
+        .await
+        .unwrap();
+    assert_eq!((run.found, run.completed, run.failed), (1, 1, 0), "{run:?}");
+    assert_eq!(
+        fx.scalar("SELECT count(*) FROM payments WHERE status = 'charged'")
+            .await,
+        1
+    );
+    assert_eq!(
+        fx.scalar("SELECT count(*) FROM payments").await,
+        2,
+        "c's and u's"
+    );
+    assert_eq!(
+        fx.scalar("SELECT count(*) FROM tower_idempotency_keys WHERE request IS NOT NULL")
+            .await,
+        0,
+        "the kept request is dropped with the completion"
+    );
+    // The client's late retry replays what the completer stored.
+    let late = app(req("POST", "/fail-after-charge", Some("c"), "{\"n\":1}")).await;
+    assert!(late.replayed(), "{} {}", late.status, late.text());
+    assert_eq!(late.status, 201);
+    assert_eq!(fx.provider.charges(), 2, "c's charge once, u's once");
+    // Nothing left for the next pass.
+    let again = phased
+        .complete_abandoned(&mut svc, Duration::ZERO, 10)
+        .await
+        .unwrap();
+    assert_eq!(again.found, 0);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spawned_completer_finishes_abandoned_keys_on_its_own() {
+    let fx = Fx::new().await;
+    let phased = fx.store.phased().with_resumable_requests(64 * 1024);
+    let app = fx.app(phased.clone(), LEASE);
+    assert_eq!(
+        app(req("POST", "/fail-after-charge", Some("s"), "{}"))
+            .await
+            .status,
+        502
+    );
+    assert!(
+        tower_idempotency::phased::spawn_completer(
+            &phased,
+            fx.service(phased.clone(), LEASE),
+            Duration::ZERO
+        )
+        .is_err()
+    );
+    let task = tower_idempotency::phased::spawn_completer(
+        &phased,
+        fx.service(phased.clone(), LEASE),
+        Duration::from_millis(50),
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while fx
+        .scalar("SELECT count(*) FROM tower_idempotency_keys WHERE response_status = 201")
+        .await
+        == 0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the completer never finished the key"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    task.abort();
+    assert!(
+        app(req("POST", "/fail-after-charge", Some("s"), "{}"))
+            .await
+            .replayed()
     );
     fx.cleanup().await;
 }

@@ -111,10 +111,8 @@ pub(crate) fn begin_batch(
     let mut sql = String::with_capacity(300 + scope.len() + key.len());
     sql.push_str(begin);
     let look = fill(
-        &format!(
-            "; SELECT pg_catalog.current_setting('transaction_isolation') AS transaction_isolation, \
-             tower_idempotency_phase_held($1, $2, $3) AS held"
-        ),
+        "; SELECT pg_catalog.current_setting('transaction_isolation') AS transaction_isolation, \
+         tower_idempotency_phase_held($1, $2, $3) AS held",
         &[Lit::Text(scope), Lit::Text(key), Lit::Int(token)],
     )?;
     sql.push_str(&look);
@@ -196,11 +194,13 @@ pub(crate) fn fence_batch(
     Ok(sql)
 }
 
-/// Records the phases (all of them, encoded) on the record, extends the lease and commits
-/// (one message).
+/// Records the phases (all of them, encoded) on the record, and `request` when given (see
+/// [`crate::phased::Phased::with_resumable_requests`]), extends the lease and commits (one
+/// message).
 pub(crate) fn record_batch(
     (scope, key, token): (&str, &str, i64),
     phases: &[u8],
+    request: Option<&[u8]>,
     lease: Duration,
     fenced: bool,
     (statement_timeout, lock_timeout): (Duration, Duration),
@@ -209,7 +209,7 @@ pub(crate) fn record_batch(
     push_bounds(&mut sql, statement_timeout, lock_timeout);
     let record = fill(
         &format!(
-            "SELECT tower_idempotency_phase_record($1, $2, $3, $4, $5, {})",
+            "SELECT tower_idempotency_phase_record($1, $2, $3, $4, $5, {}, $6)",
             row_arg(fenced)
         ),
         &[
@@ -218,6 +218,7 @@ pub(crate) fn record_batch(
             Lit::Int(token),
             Lit::Bytes(phases),
             Lit::Int(millis(lease)),
+            Lit::MaybeBytes(request),
         ],
     )?;
     sql.push_str(&record);
@@ -331,14 +332,14 @@ mod tests {
             "BEGIN; SELECT pg_catalog.current_setting('transaction_isolation') AS transaction_isolation, \
              tower_idempotency_phase_held(E's', E'k', 7) AS held"
         );
-        let record = record_batch(held, b"\x01", lease, false, bounds).unwrap();
+        let record = record_batch(held, b"\x01", None, lease, false, bounds).unwrap();
         assert_eq!(
             record,
             "SET LOCAL statement_timeout = 5000; SET LOCAL lock_timeout = 1000; \
-             SELECT tower_idempotency_phase_record(E's', E'k', 7, decode('01','hex'), 30000, NULL); COMMIT"
+             SELECT tower_idempotency_phase_record(E's', E'k', 7, decode('01','hex'), 30000, NULL, NULL); COMMIT"
         );
-        let fenced = record_batch(held, b"", lease, true, bounds).unwrap();
-        assert!(fenced.contains("current_setting('tower_idempotency.row')::tid)"));
+        let fenced = record_batch(held, b"", None, lease, true, bounds).unwrap();
+        assert!(fenced.contains("current_setting('tower_idempotency.row')::tid, NULL)"));
         let ok = StoredResponse::new(http::StatusCode::OK, http::HeaderMap::new(), Bytes::new());
         let done = complete_statement(held, Duration::from_secs(1), &ok, false, Some(-3)).unwrap();
         assert!(done.ends_with(", NULL, (-3))"), "{done}");
