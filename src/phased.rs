@@ -382,6 +382,8 @@ struct Inner {
     /// The request, encoded, to keep with the first step ([`Phased::with_resumable_requests`]);
     /// `None` once kept.
     request: SyncMutex<Option<Vec<u8>>>,
+    /// A step's commit failed with its outcome unknown: it may have committed.
+    uncertain: std::sync::atomic::AtomicBool,
 }
 
 struct LastTx {
@@ -548,7 +550,12 @@ impl Phases {
                 self.lose();
                 Err(PhaseError::LeaseLost)
             }
-            Err(e) => Err(PhaseError::Store(db_error(e))),
+            Err(e) => {
+                // The commit's outcome is unknown (the connection broke while it ran): the
+                // step may have committed, so the claim must not be released with it.
+                self.inner.uncertain.store(true, Ordering::Relaxed);
+                Err(PhaseError::Store(db_error(e)))
+            }
         }
     }
 
@@ -733,7 +740,7 @@ async fn abandon(phases: &Phases, notify: Option<i64>) {
     }
     let inner = &phases.inner;
     let store = &inner.store;
-    if phases.recorded().is_empty() {
+    if phases.recorded().is_empty() && !inner.uncertain.load(Ordering::Relaxed) {
         let release = store.release(&inner.scope, &inner.key, inner.token);
         match store_call(Operation::Release, inner.store_timeout, release).await {
             Ok(_) => tracing::debug!("idempotency key released"),
@@ -1006,6 +1013,7 @@ impl Sealed for Phased {
                 row: Arc::new(Mutex::new(())),
                 last: Mutex::new(None),
                 request: SyncMutex::new(kept_request),
+                uncertain: std::sync::atomic::AtomicBool::new(false),
             }),
         };
         if let Some(point) = phases.recovery_point() {

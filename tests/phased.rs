@@ -60,6 +60,8 @@ struct Script {
     holding: Arc<Notify>,
     /// What `/hold` got from its last phase.
     held_outcome: Arc<Mutex<Option<String>>>,
+    /// `/kill-in-step` killed its step's connection (once).
+    killed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 struct Fx {
@@ -160,14 +162,29 @@ impl Fx {
                     }
                     return answer(StatusCode::CREATED, String::new());
                 }
+                let kill = path == "/kill-in-step"
+                    && !script
+                        .killed
+                        .swap(true, std::sync::atomic::Ordering::SeqCst);
                 let id: i64 = match phases
                     .step("pending", async |conn| {
-                        sqlx::query_scalar(
+                        let id = sqlx::query_scalar(
                             "INSERT INTO payments (status, amount) VALUES ('pending', 500) \
                              RETURNING id",
                         )
-                        .fetch_one(conn)
-                        .await
+                        .fetch_one(&mut *conn)
+                        .await?;
+                        if kill {
+                            // The step's connection dies before its commit is answered.
+                            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                                .fetch_one(&mut *conn)
+                                .await?;
+                            sqlx::query("SELECT pg_terminate_backend($1)")
+                                .bind(pid)
+                                .execute(&admin)
+                                .await?;
+                        }
+                        Ok::<i64, sqlx::Error>(id)
                     })
                     .await
                 {
@@ -645,5 +662,27 @@ async fn a_spawned_completer_finishes_abandoned_keys_on_its_own() {
             .await
             .replayed()
     );
+    fx.cleanup().await;
+}
+
+/// A step whose connection dies around its commit may or may not have committed: the claim
+/// is not released with it (a release would let a retry run the step a second time, were it
+/// committed); it ends, and the retry takes the key over and finds out from the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_whose_commit_is_uncertain_keeps_its_claim_for_the_retry() {
+    let fx = Fx::new().await;
+    let app = fx.app(fx.store.phased(), LEASE);
+    let first = app(req("POST", "/kill-in-step", Some("u"), "{}")).await;
+    assert_eq!(first.status, 503, "{}", first.text());
+    assert_eq!(
+        fx.scalar("SELECT count(*) FROM tower_idempotency_keys WHERE lease_token IS NOT NULL")
+            .await,
+        1,
+        "the claim is kept (its lease ended)"
+    );
+    let retry = app(req("POST", "/kill-in-step", Some("u"), "{}")).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    // The killed step never committed: the retry ran it, once.
+    assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 1);
     fx.cleanup().await;
 }
