@@ -29,8 +29,9 @@
 //! idempotent itself, as a call with a derived key is.
 //!
 //! Every phase is fenced by the claim's token: once another request took the key over (the
-//! lease ran out), a step or the last phase of the first request commits nothing and
-//! reports [`PhaseError::LeaseLost`].
+//! lease ran out), a step of the first request commits nothing and reports
+//! [`PhaseError::LeaseLost`], and its last phase is rolled back when the layer stores the
+//! answer (the client gets `503`; its retry replays the other request's answer).
 //!
 //! ```no_run
 //! use axum::{Router, routing::post};
@@ -128,7 +129,7 @@ use crate::store::PostgresStore;
 use crate::store::listen::wake_statement;
 use crate::store::postgres::phases::{
     self, MAX_PHASES_BYTES, NOT_HELD, Recorded, begin_batch, complete_statement, fence_batch,
-    held_batch, read_statement, record_batch, yield_statement,
+    read_statement, record_batch, yield_statement,
 };
 use crate::store::postgres::{db_error, is_serialization_failure};
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
@@ -566,8 +567,10 @@ impl Phases {
     ///
     /// # Errors
     ///
-    /// [`PhaseError::LeaseLost`] when another request holds the key now,
-    /// [`PhaseError::Unavailable`] while a `TxConn` of it is held, [`PhaseError::Store`].
+    /// [`PhaseError::LeaseLost`] when the lease is known to be lost already (a renewal found
+    /// another request holding the key), [`PhaseError::Unavailable`] while a `TxConn` of it
+    /// is held, [`PhaseError::Store`]. A lease lost later is found when the layer stores the
+    /// answer: the last phase is rolled back and the client gets `503`.
     pub async fn tx(&self) -> Result<TxConn<'_>, PhaseError> {
         let mut last = self
             .inner
@@ -616,20 +619,12 @@ impl Phases {
         });
         match level {
             Some(IsolationLevel::Serializable) => Ok((self.fence().await?, true, false)),
-            // A level below SERIALIZABLE: `BEGIN` and a look at the token, so that the handler
-            // learns of a lost lease before it writes (the phase's statements on the record
-            // refuse it at the end all the same).
+            // A level below SERIALIZABLE: a bare `BEGIN`. The phase's statements on the record
+            // refuse a lost lease at its end (`NOT_HELD`), which rolls the phase back; a look
+            // at the token here would tell the handler sooner, for a tenth of a payment
+            // handler's throughput (BENCHMARKS.md).
             Some(level) => {
-                let batch = held_batch(self.inner.begin, self.held())?;
-                let (tx, rows) = self.begin_with(batch).await?;
-                if !rows
-                    .iter()
-                    .any(|r| r.try_get::<bool, _>("held").is_ok_and(|held| held))
-                {
-                    tx.rollback(None).await;
-                    self.lose();
-                    return Err(PhaseError::LeaseLost);
-                }
+                let (tx, _) = self.begin_with(self.inner.begin.to_owned()).await?;
                 Ok((tx, false, level == IsolationLevel::ReadCommitted))
             }
             // The connections' default is not known yet: look (once per layer).

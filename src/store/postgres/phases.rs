@@ -5,13 +5,14 @@
 //! [`NOT_HELD`] otherwise (the functions `tower_idempotency_phase_record` and
 //! `tower_idempotency_phase_complete`), so the phase's writes cannot commit without it.
 //!
-//! A phase's transaction begins with [`begin_batch`]: `BEGIN` and nothing that takes a
-//! snapshot. The layer pauses the lease's renewals from before the `BEGIN` until the phase
-//! ends, so under `REPEATABLE READ` no renewal commits between the phase's snapshot and its
-//! update of the record. Under `SERIALIZABLE` the phase begins with [`fence_batch`] instead,
-//! which finds the record's row id outside the phase's transaction: a lookup through the
-//! primary key inside it would predicate-lock an index page, and the phases of other keys
-//! whose records share that page would then fail with serialization failures.
+//! A phase's transaction begins with `BEGIN` (the first one of a layer with [`begin_batch`],
+//! which finds the connections' default level) and nothing that takes a snapshot. The layer
+//! pauses the lease's renewals from before the `BEGIN` until the phase ends, so under
+//! `REPEATABLE READ` no renewal commits between the phase's snapshot and its update of the
+//! record. Under `SERIALIZABLE` the phase begins with [`fence_batch`] instead, which finds the
+//! record's row id outside the phase's transaction: a lookup through the primary key inside
+//! it would predicate-lock an index page, and the phases of other keys whose records share
+//! that page would then fail with serialization failures.
 
 use std::time::Duration;
 
@@ -83,27 +84,12 @@ fn row_arg(fenced: bool) -> &'static str {
     }
 }
 
-/// Opens a phase's transaction without a fence, at a level known to be below `SERIALIZABLE`:
-/// `BEGIN`, then whether the token still holds the record (`held`).
-pub(crate) fn held_batch(
-    begin: &str,
-    (scope, key, token): (&str, &str, i64),
-) -> Result<String, StoreError> {
-    let mut sql = String::with_capacity(120 + scope.len() + key.len());
-    sql.push_str(begin);
-    sql.push_str(&fill(
-        "; SELECT tower_idempotency_phase_held($1, $2, $3) AS held",
-        &[Lit::Text(scope), Lit::Text(key), Lit::Int(token)],
-    )?);
-    Ok(sql)
-}
-
 /// Opens a phase's transaction when the connections' default level is not known yet: `BEGIN`,
 /// then one look that says the transaction's level (a connection whose default turns out to
 /// be `SERIALIZABLE` is rolled back and fenced instead) and whether the token still holds the
-/// record (`held`), so that a handler learns of a lost lease before it writes. Under `REPEATABLE READ` the look takes the transaction's
-/// snapshot; no renewal runs until the phase ends, so the record it saw is the one the
-/// phase updates.
+/// record (`held`). Under `REPEATABLE READ` the look takes the transaction's snapshot; no
+/// renewal runs until the phase ends, so the record it saw is the one the phase updates.
+/// Once the level is known, a phase below `SERIALIZABLE` opens with a bare `BEGIN`.
 pub(crate) fn begin_batch(
     begin: &str,
     (scope, key, token): (&str, &str, i64),
