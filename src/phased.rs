@@ -39,7 +39,7 @@
 //!
 //! async fn pay(phases: Phases) -> Result<(http::StatusCode, String), http::StatusCode> {
 //!     let fail = |_| http::StatusCode::SERVICE_UNAVAILABLE;
-//!     // Phase 1, committed with its recovery point: the payment is pending.
+//!     // The first phase, committed with its recovery point: the payment is pending.
 //!     let id: i64 = phases
 //!         .step("pending", async |conn| {
 //!             sqlx::query_scalar("INSERT INTO payments (status) VALUES ('pending') RETURNING id")
