@@ -200,6 +200,34 @@ async fn take_over_an_expired_claim<E>(
     }
 }
 
+/// Commits the work's transaction if the message's ID is still in it; else (the work
+/// swallowed a failed statement, which aborted the transaction, or ended the transaction
+/// itself) drops it, which rolls it back, and answers [`InboxError::Aborted`].
+async fn commit_unless_aborted<E>(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    consumer: &str,
+    message_id: &str,
+) -> Result<(), InboxError<E>> {
+    // In the transaction a pooler keeps this client's server connection: the unnamed
+    // statement of a bound query is safe here (a named one would outlive it).
+    let pending = match sqlx::query_scalar(STILL_RECORDED)
+        .bind(consumer)
+        .bind(message_id)
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await
+    {
+        Ok(pending) => pending,
+        Err(err) if has_sqlstate(&err, IN_FAILED_TRANSACTION) => false,
+        Err(err) => return Err(db_error(err).into()),
+    };
+    if !pending {
+        return Err(InboxError::Aborted);
+    }
+    tx.commit().await.map_err(db_error)?;
+    Ok(())
+}
+
 /// SQLSTATE `serialization_failure`.
 const SERIALIZATION_FAILURE: &str = "40001";
 /// SQLSTATE `in_failed_sql_transaction`: a statement sent in an aborted transaction.
@@ -324,24 +352,7 @@ impl Inbox {
         // transaction (work that ended the transaction itself took the ID with it). One
         // round trip; sending it together with the COMMIT would mean a COMMIT behind the
         // back of sqlx's transaction bookkeeping.
-        // In the transaction a pooler keeps this client's server connection: the unnamed
-        // statement of a bound query is safe here (a named one would outlive it).
-        let pending = match sqlx::query_scalar(STILL_RECORDED)
-            .bind(consumer)
-            .bind(message_id)
-            .persistent(false)
-            .fetch_one(&mut *tx)
-            .await
-        {
-            Ok(pending) => pending,
-            Err(err) if has_sqlstate(&err, IN_FAILED_TRANSACTION) => false,
-            Err(err) => return Err(db_error(err).into()),
-        };
-        if !pending {
-            // Dropping the transaction rolls it back.
-            return Err(InboxError::Aborted);
-        }
-        tx.commit().await.map_err(db_error)?;
+        commit_unless_aborted(tx, consumer, message_id).await?;
         Ok(Delivery::Processed(out))
     }
 

@@ -122,8 +122,8 @@ use crate::plain::Lease;
 use crate::rejection::Rejection;
 use crate::response::StoredResponse;
 use crate::service::{
-    InFlightGauge, Operation, Outcome, Prepared, Taken, answer_taken, lease_lost, log_store_error,
-    prepare, record, render, store_call, to_store,
+    InFlightGauge, Operation, Outcome, Prepared, acquired_or_taken, answer_taken, lease_lost,
+    log_store_error, prepare, record, render, store_call, to_store,
 };
 use crate::store::PostgresStore;
 use crate::store::listen::wake_statement;
@@ -132,7 +132,7 @@ use crate::store::postgres::phases::{
     read_statement, record_batch, yield_statement,
 };
 use crate::store::postgres::{db_error, is_serialization_failure};
-use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
+use crate::store::{ClaimRequest, LeaseToken, Store};
 use crate::transactional::{IN_FAILED_TRANSACTION, IsolationLevel, OpenTx, TxConn, sqlstate};
 use crate::wait::claim_or_wait;
 
@@ -953,14 +953,7 @@ impl Sealed for Phased {
         };
         let claim = || {
             let call = store_call(Operation::Claim, config.store_timeout, store.claim(request));
-            async move {
-                Ok(match call.await? {
-                    ClaimOutcome::Acquired { token, takeover } => Ok((token, takeover)),
-                    ClaimOutcome::Completed(stored) => Err(Taken::Completed(stored)),
-                    ClaimOutcome::InFlight { retry_after } => Err(Taken::InFlight(retry_after)),
-                    ClaimOutcome::Mismatch => Err(Taken::Mismatch),
-                })
-            }
+            async move { Ok(acquired_or_taken(call.await?)) }
         };
         let (token, takeover) = match claim_or_wait(&config, store, &scope, &key, claim).await {
             Ok(Ok(claimed)) => claimed,

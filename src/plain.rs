@@ -35,10 +35,10 @@ use crate::mode::Keyed;
 use crate::rejection::Rejection;
 use crate::response::StoredResponse;
 use crate::service::{
-    Buffered, InFlightGauge, Keep, Operation, Outcome, Taken, ToStore, answer_taken, lease_lost,
-    log_store_error, read_request, record, render, store_call, to_store,
+    Buffered, InFlightGauge, Keep, Operation, Outcome, ToStore, acquired_or_taken, answer_taken,
+    lease_lost, log_store_error, read_request, record, render, store_call, to_store,
 };
-use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
+use crate::store::{ClaimRequest, LeaseToken, Store};
 use crate::wait::claim_or_wait;
 
 type BoxTask = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -209,12 +209,7 @@ where
             let sent = Instant::now();
             let call = store_call(Operation::Claim, config.store_timeout, store.claim(request));
             async move {
-                Ok(match call.await? {
-                    ClaimOutcome::Acquired { token, takeover } => Ok((token, takeover, sent)),
-                    ClaimOutcome::Completed(stored) => Err(Taken::Completed(stored)),
-                    ClaimOutcome::InFlight { retry_after } => Err(Taken::InFlight(retry_after)),
-                    ClaimOutcome::Mismatch => Err(Taken::Mismatch),
-                })
+                Ok(acquired_or_taken(call.await?).map(|(token, takeover)| (token, takeover, sent)))
             }
         };
         let answer = match claim_or_wait(&config, &store, &scope, &key, claim).await {

@@ -24,6 +24,7 @@ use crate::rejection::Rejection;
 use crate::response::{
     IDEMPOTENT_REPLAYED, ReplayedHeaders, StoredResponse, keeps_every_header, replayable_headers,
 };
+use crate::store::{ClaimOutcome, LeaseToken};
 
 /// Middleware that runs each keyed request's handler once and replays its answer to
 /// retries. Made by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -337,6 +338,17 @@ pub(crate) enum Taken {
     InFlight(Duration),
     /// Reused with another payload.
     Mismatch,
+}
+
+/// A store's claim outcome as a mode reads it: the key acquired (its token, and whether it
+/// was taken over), or taken.
+pub(crate) fn acquired_or_taken(outcome: ClaimOutcome) -> Result<(LeaseToken, bool), Taken> {
+    match outcome {
+        ClaimOutcome::Acquired { token, takeover } => Ok((token, takeover)),
+        ClaimOutcome::Completed(stored) => Err(Taken::Completed(stored)),
+        ClaimOutcome::InFlight { retry_after } => Err(Taken::InFlight(retry_after)),
+        ClaimOutcome::Mismatch => Err(Taken::Mismatch),
+    }
 }
 
 /// The longest `Retry-After` hint of a `409` while the first request runs: 1 s, the smallest

@@ -5,8 +5,7 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
 use super::{
-    IN_FAILED_TRANSACTION, Inbox, InboxError, MAX_MESSAGE_ID, SERIALIZATION_FAILURE,
-    STILL_RECORDED, has_sqlstate,
+    Inbox, InboxError, MAX_MESSAGE_ID, SERIALIZATION_FAILURE, commit_unless_aborted, has_sqlstate,
 };
 use crate::error::StoreError;
 use crate::store::postgres::{db_error, millis};
@@ -261,21 +260,7 @@ impl MessageLease {
             return Err(InboxError::LeaseLost);
         }
         let out = work(&mut tx).await.map_err(InboxError::Work)?;
-        let pending = match sqlx::query_scalar(STILL_RECORDED)
-            .bind(&self.consumer)
-            .bind(&self.message_id)
-            .persistent(false)
-            .fetch_one(&mut *tx)
-            .await
-        {
-            Ok(pending) => pending,
-            Err(err) if has_sqlstate(&err, IN_FAILED_TRANSACTION) => false,
-            Err(err) => return Err(db_error(err).into()),
-        };
-        if !pending {
-            return Err(InboxError::Aborted);
-        }
-        tx.commit().await.map_err(db_error)?;
+        commit_unless_aborted(tx, &self.consumer, &self.message_id).await?;
         Ok(out)
     }
 }
