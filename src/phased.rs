@@ -133,7 +133,10 @@ use crate::store::postgres::phases::{
 };
 use crate::store::postgres::{db_error, is_serialization_failure};
 use crate::store::{ClaimRequest, LeaseToken, Store};
-use crate::transactional::{IN_FAILED_TRANSACTION, IsolationLevel, OpenTx, TxConn, sqlstate};
+use crate::transactional::{
+    CompletionBatch, IN_FAILED_TRANSACTION, IsolationLevel, OpenTx, TxConn, run_completion,
+    sqlstate,
+};
 use crate::wait::claim_or_wait;
 
 /// A [`PostgresStore`] in phased mode; made by [`PostgresStore::phased`]. Use it as the
@@ -523,10 +526,16 @@ impl Phases {
             fenced,
             self.inner.store.bounds(),
         )?;
+        // Every statement of the message up to and with the COMMIT: an error reported after
+        // them (a notification meant for a listener that a pooler's shared connection still
+        // carries) comes after the commit.
+        let (sql, through_commit) = batch;
+        let batch = CompletionBatch {
+            sql,
+            through_commit,
+        };
         let committed = store_call(Operation::Commit, self.inner.store_timeout, async {
-            Ok(sqlx::raw_sql(AssertSqlSafe(batch))
-                .execute(tx.conn()?)
-                .await)
+            Ok(run_completion(tx.conn()?, batch).await)
         })
         .await?;
         match committed {
@@ -876,7 +885,14 @@ async fn complete_last(
         sql.push_str(&wake_statement(hash));
         sql.push_str("; COMMIT");
     }
-    let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(tx.conn()?).await;
+    // The completion and the COMMIT: an error reported after both (the wake-up's, or a
+    // notification meant for a listener that a pooler's shared connection still carries)
+    // comes after the commit.
+    let batch = CompletionBatch {
+        sql,
+        through_commit: 2,
+    };
+    let done = run_completion(tx.conn()?, batch).await;
     match done {
         Ok(_) => {
             tx.ended();

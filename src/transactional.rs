@@ -651,16 +651,16 @@ fn completion_batch(
 }
 
 /// A completion's message.
-struct CompletionBatch {
-    sql: String,
+pub(crate) struct CompletionBatch {
+    pub(crate) sql: String,
     /// How many of its statements end with the request's `COMMIT`: a failure reported after
     /// that many statements completed is the wake-up's, and the transaction did commit.
-    through_commit: usize,
+    pub(crate) through_commit: usize,
 }
 
 /// Runs a completion's message; `Ok` once the request's transaction committed (a wake-up that
 /// failed after it is only logged: its waiters claim again at their recheck).
-async fn run_completion(
+pub(crate) async fn run_completion(
     conn: &mut PgConnection,
     batch: CompletionBatch,
 ) -> Result<(), sqlx::Error> {

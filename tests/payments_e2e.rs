@@ -832,6 +832,12 @@ async fn duplicates_wait_for_the_first_answer(env: &[(&str, &str)]) {
         duplicates.spawn(async move { api.pay(&headers, 12, 990).await });
     }
     let first = first.await.unwrap();
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "{first:?}; the example's log:\n{}",
+        server.stderr()
+    );
     expect_new_payment(&first, 12, 990);
     assert!(!first.replayed());
     for reply in duplicates.join_all().await {

@@ -182,7 +182,7 @@ pub(crate) fn fence_batch(
 
 /// Records the phases (all of them, encoded) on the record, and `request` when given (see
 /// [`crate::phased::Phased::with_resumable_requests`]), extends the lease and commits (one
-/// message).
+/// message). Returns the message and how many statements it has, the `COMMIT` last.
 pub(crate) fn record_batch(
     (scope, key, token): (&str, &str, i64),
     phases: &[u8],
@@ -190,9 +190,9 @@ pub(crate) fn record_batch(
     lease: Duration,
     fenced: bool,
     (statement_timeout, lock_timeout): (Duration, Duration),
-) -> Result<String, StoreError> {
+) -> Result<(String, usize), StoreError> {
     let mut sql = String::with_capacity(300 + 2 * phases.len() + scope.len() + key.len());
-    push_bounds(&mut sql, statement_timeout, lock_timeout);
+    let bounds = push_bounds(&mut sql, statement_timeout, lock_timeout);
     let record = fill(
         &format!(
             "SELECT tower_idempotency_phase_record($1, $2, $3, $4, $5, {}, $6)",
@@ -209,7 +209,7 @@ pub(crate) fn record_batch(
     )?;
     sql.push_str(&record);
     sql.push_str("; COMMIT");
-    Ok(sql)
+    Ok((sql, bounds + 2))
 }
 
 /// Stores the answer on the record while the token holds it: the record becomes completed
@@ -318,13 +318,14 @@ mod tests {
             "BEGIN; SELECT pg_catalog.current_setting('transaction_isolation') AS transaction_isolation, \
              tower_idempotency_phase_held(E's', E'k', 7) AS held"
         );
-        let record = record_batch(held, b"\x01", None, lease, false, bounds).unwrap();
+        let (record, statements) = record_batch(held, b"\x01", None, lease, false, bounds).unwrap();
+        assert_eq!(statements, 4);
         assert_eq!(
             record,
             "SET LOCAL statement_timeout = 5000; SET LOCAL lock_timeout = 1000; \
              SELECT tower_idempotency_phase_record(E's', E'k', 7, decode('01','hex'), 30000, NULL, NULL); COMMIT"
         );
-        let fenced = record_batch(held, b"", None, lease, true, bounds).unwrap();
+        let (fenced, _) = record_batch(held, b"", None, lease, true, bounds).unwrap();
         assert!(fenced.contains("current_setting('tower_idempotency.row')::tid, NULL)"));
         let ok = StoredResponse::new(http::StatusCode::OK, http::HeaderMap::new(), Bytes::new());
         let done = complete_statement(held, Duration::from_secs(1), &ok, false, Some(-3)).unwrap();
