@@ -185,7 +185,8 @@ async fn phases_committed_before_a_database_crash_survive_it_and_nothing_runs_tw
         .unwrap();
 
     let in_call = Arc::new(Notify::new());
-    let go_on = Arc::new(Notify::new());
+    // Permits, not notifications: a permit given before the handler waits is not lost.
+    let go_on = Arc::new(tokio::sync::Semaphore::new(0));
     let steps_run = Arc::new(AtomicUsize::new(0));
     let handler = {
         let (in_call, go_on, steps_run) = (in_call.clone(), go_on.clone(), steps_run.clone());
@@ -214,7 +215,7 @@ async fn phases_committed_before_a_database_crash_survive_it_and_nothing_runs_tw
                 };
                 // The remote call; the database crashes meanwhile.
                 in_call.notify_one();
-                go_on.notified().await;
+                go_on.acquire().await.unwrap().forget();
                 let last = async {
                     let mut tx = phases.tx().await.map_err(|e| e.to_string())?;
                     sqlx::query("UPDATE payments SET status = 'charged' WHERE id = $1")
@@ -243,7 +244,7 @@ async fn phases_committed_before_a_database_crash_survive_it_and_nothing_runs_tw
     server.start();
     // The request goes on after the crash: its claim and its step were committed before it,
     // so they survived, and its last phase commits with the answer.
-    go_on.notify_one();
+    go_on.add_permits(1);
     let first = read(
         within(first, "the first request's answer")
             .await
@@ -288,7 +289,7 @@ async fn phases_committed_before_a_database_crash_survive_it_and_nothing_runs_tw
     .unwrap();
     let retry = tokio::spawn(svc.clone().oneshot(req("POST", "/pay", Some("k2"), "{}")));
     within(in_call.notified(), "the retry reaches its remote call").await;
-    go_on.notify_waiters();
+    go_on.add_permits(2);
     let second = read(
         within(second, "the second request's answer")
             .await
