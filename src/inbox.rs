@@ -147,13 +147,25 @@ const STILL_RECORDED: &str = "
 SELECT EXISTS (SELECT 1 FROM tower_idempotency_processed_messages
                 WHERE consumer = $1 AND message_id = $2)";
 
-/// How long a leased claim of the message ([`Inbox::claim`]) still holds it: a row only for
-/// a leased message, with `lease_left_ms` (zero once the lease ran out).
-const LEASE_LOOK: &str = "
-SELECT greatest(0, (extract(epoch FROM lease_expires_at - tower_idempotency_now()) * 1000)::bigint)
+/// The message's row as a fresh statement sees it: processed (`leased` false), or held by a
+/// leased claim ([`Inbox::claim`]) and for how much longer (`lease_left_ms`, zero once the
+/// lease ran out).
+const LOOK: &str = "
+SELECT lease_token IS NOT NULL AS leased,
+       greatest(0, (extract(epoch FROM lease_expires_at - tower_idempotency_now()) * 1000)::bigint)
            AS lease_left_ms
   FROM tower_idempotency_processed_messages
- WHERE consumer = $1 AND message_id = $2 AND lease_token IS NOT NULL";
+ WHERE consumer = $1 AND message_id = $2";
+
+/// How long the leased claim in a row of [`LOOK`] still holds the message; `None` when the
+/// row is a processed message.
+fn lease_left(row: &sqlx::postgres::PgRow) -> Result<Option<Duration>, StoreError> {
+    if !row.try_get::<bool, _>("leased").map_err(db_error)? {
+        return Ok(None);
+    }
+    let left: i64 = row.try_get("lease_left_ms").map_err(db_error)?;
+    Ok(Some(Duration::from_millis(left.unsigned_abs())))
+}
 
 /// Takes over a leased claim whose lease ran out (its worker died), in the transaction of
 /// [`Inbox::process`].
@@ -172,19 +184,16 @@ async fn take_over_an_expired_claim<E>(
     message_id: &str,
 ) -> Result<bool, InboxError<E>> {
     let key = [Lit::Text(consumer), Lit::Text(message_id)];
-    let look = fill(LEASE_LOOK, &key)?;
+    let look = fill(LOOK, &key)?;
     let row = sqlx::raw_sql(AssertSqlSafe(look))
         .fetch_optional(&mut *tx)
         .await
         .map_err(db_error)?;
-    let Some(row) = row else {
+    let Some(left) = row.as_ref().map(lease_left).transpose()?.flatten() else {
         return Ok(false);
     };
-    let left: i64 = row.try_get("lease_left_ms").map_err(db_error)?;
-    if left > 0 {
-        return Err(InboxError::InProgress {
-            retry_after: Duration::from_millis(left.unsigned_abs()),
-        });
+    if !left.is_zero() {
+        return Err(InboxError::InProgress { retry_after: left });
     }
     let take = fill(TAKE_OVER, &key)?;
     let taken = sqlx::raw_sql(AssertSqlSafe(take))
@@ -378,16 +387,16 @@ impl Inbox {
         if !committed {
             return Err(db_error(failure).into());
         }
-        let look = fill(LEASE_LOOK, &[Lit::Text(consumer), Lit::Text(message_id)])?;
+        let look = fill(LOOK, &[Lit::Text(consumer), Lit::Text(message_id)])?;
         let row = sqlx::raw_sql(AssertSqlSafe(look))
             .fetch_optional(&self.pool)
             .await
             .map_err(db_error)?;
-        match row.map(|r| r.try_get::<Option<i64>, _>("lease_left_ms")) {
-            Some(Ok(Some(left))) => Err(InboxError::InProgress {
-                retry_after: Duration::from_millis(left.unsigned_abs().max(1)),
+        match row.as_ref().map(lease_left).transpose()?.flatten() {
+            Some(left) => Err(InboxError::InProgress {
+                retry_after: left.max(Duration::from_millis(1)),
             }),
-            _ => Ok(Delivery::Duplicate),
+            None => Ok(Delivery::Duplicate),
         }
     }
 

@@ -5,7 +5,8 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
 use super::{
-    Inbox, InboxError, MAX_MESSAGE_ID, SERIALIZATION_FAILURE, commit_unless_aborted, has_sqlstate,
+    Inbox, InboxError, LOOK, MAX_MESSAGE_ID, SERIALIZATION_FAILURE, commit_unless_aborted,
+    has_sqlstate, lease_left,
 };
 use crate::error::StoreError;
 use crate::store::postgres::{db_error, millis};
@@ -58,15 +59,6 @@ ON CONFLICT (consumer, message_id) DO UPDATE
        processed_at = tower_idempotency_now()
  WHERE m.lease_token IS NOT NULL AND m.lease_expires_at <= tower_idempotency_now()
 RETURNING m.lease_token AS token";
-
-/// The message's row as a fresh statement sees it: processed (no token), or held and for how
-/// much longer.
-const LOOK: &str = "
-SELECT lease_token IS NOT NULL AS leased,
-       greatest(0, (extract(epoch FROM lease_expires_at - tower_idempotency_now()) * 1000)::bigint)
-           AS lease_left_ms
-  FROM tower_idempotency_processed_messages
- WHERE consumer = $1 AND message_id = $2";
 
 /// Extends the lease the token holds.
 const RENEW: &str = "
@@ -142,21 +134,15 @@ impl Inbox {
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(db_error)?;
-            match row {
+            match row.as_ref().map(lease_left).transpose()? {
                 // Released or purged between the two statements: claim again.
                 None => {}
-                Some(row) if !row.try_get::<bool, _>("leased").map_err(db_error)? => {
-                    return Ok(Claim::Duplicate);
+                Some(None) => return Ok(Claim::Duplicate),
+                Some(Some(left)) if !left.is_zero() => {
+                    return Ok(Claim::InProgress { retry_after: left });
                 }
-                Some(row) => {
-                    let left: i64 = row.try_get("lease_left_ms").map_err(db_error)?;
-                    if left > 0 {
-                        return Ok(Claim::InProgress {
-                            retry_after: Duration::from_millis(left.unsigned_abs()),
-                        });
-                    }
-                    // The lease ran out between the two statements: take it over.
-                }
+                // The lease ran out between the two statements: take it over.
+                Some(Some(_)) => {}
             }
         }
         Ok(Claim::InProgress {
