@@ -94,13 +94,12 @@ async fn missing_schema_is_a_schema_error_and_a_503() {
 
 #[tokio::test]
 async fn a_missing_claim_function_is_a_schema_error() {
-    // A schema migrated by an older version of the crate: the tables, not the claim's insert
-    // function.
+    // A schema migrated by an older version of the crate: the tables, not the claim function.
     let schema = PgSchema::new().await;
     let pool = schema.pool(2).await;
     let store = PostgresStore::new(pool.clone());
     store.migrate().await.unwrap();
-    sqlx::query("DROP FUNCTION tower_idempotency_insert_key")
+    sqlx::query("DROP FUNCTION tower_idempotency_plain_claim")
         .execute(&pool)
         .await
         .unwrap();

@@ -74,6 +74,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "recovery points of phased mode, and leased claims of messages",
         include_str!("../../migrations/0011_phases_and_leased_messages.sql"),
     ),
+    (
+        12,
+        "plain mode's claim and completion, each one function",
+        include_str!("../../migrations/0012_lean_plain_functions.sql"),
+    ),
 ];
 
 /// The advisory lock taken while migrating, so that app instances starting together apply
@@ -159,7 +164,7 @@ const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 ///
 /// | strategy | first request | replay |
 /// |---|---|---|
-/// | [`Combined`](ClaimStrategy::Combined) (default) | 2 statements: claim (a read that calls the insert function), complete | 1 statement: the read, which skips the function |
+/// | [`Combined`](ClaimStrategy::Combined) (default) | 2 statements: claim (a read, then the insert), complete | 1 statement: the read, which skips the insert |
 /// | [`ReadFirst`](ClaimStrategy::ReadFirst) | 3: read, insert, complete | 1 plain `SELECT` |
 /// | [`InsertFirst`](ClaimStrategy::InsertFirst) | 2: plain insert, complete | 2: insert (conflicts), read |
 ///
@@ -167,14 +172,14 @@ const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 /// plain `SELECT` does, and its first request, in the same two round trips as
 /// `InsertFirst`'s, adds the read of the absent key and a PL/pgSQL call to the insert.
 /// `InsertFirst` saves that on endpoints where retries are rare and first requests dominate.
-/// `ReadFirst`'s replay is the bare `SELECT`, slightly cheaper than `Combined`'s (no join,
-/// no function to look up), for a third statement on every first request. Expired or
+/// `ReadFirst`'s replay is the bare `SELECT`, about as cheap as `Combined`'s, for a third
+/// statement on every first request. Expired or
 /// abandoned keys cost one more statement (the takeover) in every strategy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ClaimStrategy {
-    /// One statement reads the record and inserts it when absent: a plain `SELECT` that
-    /// calls the insert function of migration 4 only for an absent key.
+    /// One statement reads the record and inserts it when absent: a call of the claim
+    /// function, which inserts only for an absent key.
     #[default]
     Combined,
     /// A plain `SELECT` first; the insert only when the key is absent.
@@ -610,12 +615,10 @@ pub(crate) fn db_error(err: sqlx::Error) -> StoreError {
     StoreError::from(err)
 }
 
-/// The claim, in one statement: the function `tower_idempotency_plain_claim` (migration 6)
-/// reads the record and, only when the key is absent, inserts it
-/// (`tower_idempotency_insert_key`, migration 4). For a replay, an in-flight key or a
-/// mismatch it costs the database the read alone: the read is a join of one constant row to
-/// the record, so that an absent key still gives a row, and the insert is called by a `CASE`
-/// only for that row. (An `INSERT` written into the statement, as a data-modifying CTE, is set
+/// The claim, in one statement: the function `tower_idempotency_plain_claim` reads the
+/// record by its key and, only when the key is absent, inserts it. For a replay, an in-flight
+/// key or a mismatch it costs the database the read alone; it returns one row whether or not
+/// the key was there. (An `INSERT` written into the statement, as a data-modifying CTE, is set
 /// up by the executor on every execution even when it inserts nothing: a replay through such a
 /// statement took about 1.6 times the plain read's backend CPU in pgbench.)
 ///
@@ -647,14 +650,14 @@ const TAKEOVER: &str =
 const COMPLETE: &str = "SELECT tower_idempotency_plain_complete(\
      $1, $2, $3, $4, $5::smallint, $6, $7, $8) AS changed";
 
-/// [`COMPLETE`], also waking the key's waiters: `$9` the key's hash (migration 7).
+/// [`COMPLETE`], also waking the key's waiters: `$9` the key's hash.
 const COMPLETE_WAKE: &str = "SELECT tower_idempotency_plain_complete(\
      $1, $2, $3, $4, $5::smallint, $6, $7, $8, $9) AS changed";
 
 /// Deletes the record while `$3` (the token) holds it; `$4` lock timeout (ms).
 const RELEASE: &str = "SELECT tower_idempotency_plain_release($1, $2, $3, $4) AS changed";
 
-/// [`RELEASE`], also waking the key's waiters: `$5` the key's hash (migration 7).
+/// [`RELEASE`], also waking the key's waiters: `$5` the key's hash.
 const RELEASE_WAKE: &str = "SELECT tower_idempotency_plain_release($1, $2, $3, $4, $5) AS changed";
 
 /// Extends the lease `$3` (the token) holds by `$4` ms; `$5` lock timeout (ms).
