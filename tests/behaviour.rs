@@ -803,11 +803,13 @@ async fn ttl_shorter_than_the_lease_keeps_a_running_key<F: Fixture>(fx: &F) {
 
 async fn renewals_keep_a_key_whose_ttl_is_shorter_than_the_lease<F: Fixture>(fx: &F) {
     let calls = Calls::default();
-    // Renewed every 200 ms: the lease outlives a renewal that is late by 400 ms.
+    // Renewed every 200 ms: the lease outlives a renewal that is late by 400 ms. The TTL is
+    // shorter than the lease, and long enough for the replay below to arrive after the
+    // completion on a busy machine.
     let app = build(
         layer(fx.store())
             .with_lease(Duration::from_millis(600))
-            .with_ttl(Duration::from_millis(100))
+            .with_ttl(Duration::from_millis(400))
             .unwrap(),
         &calls,
     );
