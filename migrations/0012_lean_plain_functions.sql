@@ -65,26 +65,6 @@ $$;
 
 CREATE OR REPLACE FUNCTION tower_idempotency_plain_complete(
     p_scope text, p_key text, p_token bigint, p_ttl_ms bigint, p_status smallint,
-    p_headers bytea, p_body bytea, p_lock_ms bigint)
-RETURNS bigint
-LANGUAGE plpgsql VOLATILE
-AS $$
-DECLARE
-    changed bigint;
-    ignored text := set_config('lock_timeout', p_lock_ms::text, true);
-BEGIN
-    UPDATE tower_idempotency_keys
-       SET lease_token = NULL, lease_expires_at = NULL, completed_at = tower_idempotency_now(),
-           expires_at = tower_idempotency_now() + p_ttl_ms::float8 * interval '1 millisecond',
-           response_status = p_status, response_headers = p_headers, response_body = p_body
-     WHERE scope = p_scope AND key = p_key AND lease_token = p_token;
-    GET DIAGNOSTICS changed = ROW_COUNT;
-    RETURN changed;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION tower_idempotency_plain_complete(
-    p_scope text, p_key text, p_token bigint, p_ttl_ms bigint, p_status smallint,
     p_headers bytea, p_body bytea, p_lock_ms bigint, p_wake bigint)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
@@ -107,6 +87,18 @@ BEGIN
     END IF;
     RETURN changed;
 END
+$$;
+
+-- Without notifications (PostgresStore::with_notifications(false)) the store completes
+-- through this one, which wakes nobody.
+CREATE OR REPLACE FUNCTION tower_idempotency_plain_complete(
+    p_scope text, p_key text, p_token bigint, p_ttl_ms bigint, p_status smallint,
+    p_headers bytea, p_body bytea, p_lock_ms bigint)
+RETURNS bigint
+LANGUAGE sql VOLATILE
+AS $$
+    SELECT tower_idempotency_plain_complete(
+        p_scope, p_key, p_token, p_ttl_ms, p_status, p_headers, p_body, p_lock_ms, NULL)
 $$;
 
 DO $$
