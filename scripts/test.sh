@@ -229,6 +229,39 @@ ensure_redis_binaries
 ensure_redis
 echo "scripts/test.sh: Redis tests use $REDIS_URL and the cluster at $TI_REDIS_CLUSTER_URLS" >&2
 
+find_pgbouncer() {
+    local p
+    for p in "$(command -v pgbouncer 2>/dev/null)" /usr/sbin/pgbouncer /usr/local/bin/pgbouncer /opt/homebrew/bin/pgbouncer; do
+        if [[ -n "$p" && -x "$p" ]]; then
+            echo "$p"
+            return 0
+        fi
+    done
+    return 1
+}
+
+ensure_pgbouncer() {
+    local bin
+    if ! bin="$(find_pgbouncer)"; then
+        if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+            echo "scripts/test.sh: PgBouncer is not installed; installing it with apt-get" >&2
+            apt-get update -qq >&2
+            # The package's own service stays off (policy or no init system); the tests and
+            # this script start PgBouncer with configurations of their own.
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null
+            bin="$(find_pgbouncer)" || die "PgBouncer was installed but pgbouncer was not found"
+        else
+            die "PgBouncer is not installed; tests/payments_e2e.rs and the last test run go through it.
+Install it (Debian/Ubuntu: sudo apt-get install pgbouncer; macOS: brew install pgbouncer)
+and run ./scripts/test.sh again."
+        fi
+    fi
+    echo "$bin"
+}
+# tests/payments_e2e.rs starts a PgBouncer of its own (transaction pooling, 10 server
+# connections), so PgBouncer is needed from the first test run on.
+ensure_pgbouncer >/dev/null
+
 cargo test --all-features --all-targets
 cargo test --all-features --doc
 
@@ -249,34 +282,9 @@ done
 # services and Postgres, and there a client's statements reach whichever server connection
 # is free, so nothing may rely on a server session (prepared statements, session settings,
 # session advisory locks) outside a transaction.
-find_pgbouncer() {
-    local p
-    for p in "$(command -v pgbouncer 2>/dev/null)" /usr/sbin/pgbouncer /usr/local/bin/pgbouncer /opt/homebrew/bin/pgbouncer; do
-        if [[ -n "$p" && -x "$p" ]]; then
-            echo "$p"
-            return 0
-        fi
-    done
-    return 1
-}
-
 start_pgbouncer() {
     local bin pg_host pg_port user rest db dir port run_as=()
-    if ! bin="$(find_pgbouncer)"; then
-        if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
-            echo "scripts/test.sh: PgBouncer is not installed; installing it with apt-get" >&2
-            apt-get update -qq
-            # The package's own service stays off (policy or no init system); this script
-            # starts PgBouncer with a configuration of its own.
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null
-            bin="$(find_pgbouncer)" || die "PgBouncer was installed but pgbouncer was not found"
-        else
-            die "PgBouncer is not installed; the last test run goes through it.
-Install it (Debian/Ubuntu: sudo apt-get install pgbouncer; macOS: brew install pgbouncer)
-and run ./scripts/test.sh again, or set TI_PGBOUNCER_URL to a PgBouncer you run in
-transaction pooling mode in front of DATABASE_URL's server."
-        fi
-    fi
+    bin="$(ensure_pgbouncer)"
     read -r pg_host pg_port < <(host_port "$DATABASE_URL")
     # postgres://user[:password]@host:port/db?params -> user and db
     rest="${DATABASE_URL#*://}"
