@@ -9,8 +9,8 @@
 --   (it returns one row), and the lock bound is set only on the path that can wait for a lock
 --   (the insert waits for a concurrent insert of the same key to commit or roll back).
 -- * The completion stores the answer and, when its key's waiters registered the key's hash,
---   notifies them, in one function (it was three: the wake variant calling the completion and
---   the wake, each setting and restoring its own settings on entry and return).
+--   notifies them, in one function: every nested call would set and restore its own
+--   settings on entry and return.
 --
 -- The lock bound is a local setting (`set_config(…, true)`) that ends with the statement's
 -- transaction: the store runs these functions alone in a message of their own, never inside a
@@ -20,8 +20,7 @@
 -- (`search_path = pg_catalog, <schema>, pg_temp`), and reads the time through
 -- tower_idempotency_now().
 --
--- Results, arguments and behaviour are unchanged, but for the claim's result no longer being a
--- set: `SELECT * FROM tower_idempotency_plain_claim(…)` gives the same one row.
+-- The claim's result is one row, read with `SELECT * FROM tower_idempotency_plain_claim(…)`.
 
 DROP FUNCTION tower_idempotency_plain_claim(text, text, bytea, bigint, bigint, bigint);
 

@@ -55,5 +55,17 @@ bench() {
     printf '%-30s %10s tps   latency average %s\n' "$script" "${tps[$script]}" "$lat"
 }
 
+# `run_way ROUND NAME SCRIPT MODE`: one pgbench run of SCRIPT (a path) in MODE; its
+# transactions per second are appended to runs[NAME] and printed with the round.
+declare -A runs
+run_way() {
+    local round="$1" name="$2" script="$3" mode="$4" out t
+    out="$(pgbench "$url" -n -M "$mode" -c "$clients" -j "$threads" -T "$seconds" \
+        -D nkeys="$keys" -f "$script" 2>&1)" || { echo "$out" >&2; exit 1; }
+    t="$(echo "$out" | sed -n 's/^tps = \([0-9]*\).*/\1/p' | head -1)"
+    runs[$name]="${runs[$name]:-} $t"
+    printf 'round %s  %-26s %8s tps\n' "$round" "$name" "$t"
+}
+
 # The median of a space-separated list of numbers (empty when there are none).
 median() { tr ' ' '\n' <<<"$1" | { grep . || true; } | sort -n | awk 'NF { v[++n] = $1 } END { if (n) print v[int((n + 1) / 2)] }'; }

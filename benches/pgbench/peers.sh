@@ -72,17 +72,12 @@ ways=(
     "new cratestack simple|cratestack_new.sql|simple"
 )
 echo "pgbench: $clients clients, $seconds s per way, $rounds rounds, synchronous_commit $([[ $async == 1 ]] && echo off || echo on), schema $schema"
-declare -A runs
 for round in $(seq "$rounds"); do
     # Rotate the order each round, so no way always runs first or after the same neighbour.
     n=${#ways[@]}
     for i in $(seq 0 $((n - 1))); do
         IFS='|' read -r name script mode <<<"${ways[$(( (i + round) % n ))]}"
-        out="$(pgbench "$url" -n -M "$mode" -c "$clients" -j "$threads" -T "$seconds" \
-            -D nkeys="$keys" -f "$here/peers/$script" 2>&1)" || { echo "$out" >&2; exit 1; }
-        tps="$(echo "$out" | sed -n 's/^tps = \([0-9]*\).*/\1/p' | head -1)"
-        runs[$name]="${runs[$name]:-} $tps"
-        printf 'round %s  %-26s %8s tps\n' "$round" "$name" "$tps"
+        run_way "$round" "$name" "$here/peers/$script" "$mode"
     done
 done
 

@@ -56,15 +56,10 @@ ways=(
     "new key store|new_bounds.sql|simple"
 )
 echo "pgbench: $clients clients, $threads threads, $seconds s per way, $rounds rounds, schema $schema"
-declare -A runs
 for round in $(seq "$rounds"); do
     for way in "${ways[@]}"; do
         IFS='|' read -r name script mode <<<"$way"
-        out="$(pgbench "$url" -n -M "$mode" -c "$clients" -j "$threads" -T "$seconds" \
-            -D nkeys="$keys" -f "$here/protocols/$script" 2>&1)" || { echo "$out" >&2; exit 1; }
-        tps="$(echo "$out" | sed -n 's/^tps = \([0-9]*\).*/\1/p' | head -1)"
-        runs[$name]="${runs[$name]:-} $tps"
-        printf 'round %s  %-18s %8s tps\n' "$round" "$name" "$tps"
+        run_way "$round" "$name" "$here/protocols/$script" "$mode"
     done
 done
 
