@@ -1621,8 +1621,11 @@ async fn wait_for_rows(db: &PgPool, what: &str, sql: &'static str, at_least: i64
     }
 }
 
-/// `POST /payments` until the answer is not `409` (a key still held by a dead process's
-/// lease), after the server is reachable.
+/// `POST /payments` until the answer is neither `409` (a key still held by a dead process's
+/// lease) nor `503` with `Retry-After`, after the server is reachable: what a client does.
+/// The killed process's charge key is claimed a moment after its payment key, so its lease
+/// outlives the payment's by that moment; a retry in between finds the provider still
+/// holding the charge and is told to retry later.
 async fn pay_until_not_in_flight(
     api: &Api,
     headers: &[(&str, &str)],
@@ -1632,10 +1635,18 @@ async fn pay_until_not_in_flight(
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let reply = pay_when_reachable(api, headers, order_id, amount_cents).await;
-        if reply.status != StatusCode::CONFLICT {
+        let later = reply.status == StatusCode::CONFLICT
+            || (reply.status == StatusCode::SERVICE_UNAVAILABLE
+                && reply.header("retry-after").is_some());
+        if !later {
             return reply;
         }
-        assert!(Instant::now() < deadline, "still 409: {}", reply.text());
+        assert!(
+            Instant::now() < deadline,
+            "still {}: {}",
+            reply.status,
+            reply.text()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
