@@ -70,6 +70,21 @@ pub enum ConfigError {
     /// runtime.
     #[error("the purge task needs a Tokio runtime (with its time driver enabled)")]
     NoRuntime,
+    /// A consumer name that is empty or longer than 200 bytes
+    /// ([`Consumer::new`](crate::inbox::Consumer::new)): it keys every message ID and
+    /// position of the consumer, and labels its metrics.
+    #[error("a consumer's name must be 1 to 200 bytes long")]
+    InvalidConsumerName,
+    /// A message lease of zero ([`Consumer::with_lease`](crate::inbox::Consumer::with_lease)):
+    /// every claim would run out as it is taken, and a redelivery would start the work again
+    /// while it runs.
+    #[error("a message lease must be longer than zero")]
+    ZeroLease,
+    /// No attempt allowed before a message is parked
+    /// ([`Consumer::with_max_failures`](crate::inbox::Consumer::with_max_failures)): every
+    /// message would be parked without its work ever running.
+    #[error("a consumer must allow at least one failed attempt before it parks a message")]
+    ZeroMaxFailures,
 }
 
 impl StoreError {

@@ -62,9 +62,15 @@ use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 
+mod consumer;
+mod dead;
 mod lease;
+mod order;
 
+pub use consumer::{Consumer, Message, Outcome, Settle};
+pub use dead::DeadLetter;
 pub use lease::{Claim, MessageLease};
+pub use order::Ordered;
 
 use crate::error::StoreError;
 use crate::store::postgres::{db_error, migrate, millis};
@@ -94,6 +100,10 @@ pub enum InboxError<E> {
     /// The message ID is empty or longer than 1024 bytes.
     #[error("message IDs must be 1 to 1024 bytes long")]
     InvalidMessageId,
+    /// An ordering key that is empty or longer than 1024 bytes
+    /// ([`Inbox::process_in_order`], [`MessageLease::commit_in_order`]).
+    #[error("ordering keys must be 1 to 1024 bytes long")]
+    InvalidOrderKey,
     /// Another worker holds the message under a lease ([`Inbox::claim`]) that has not run
     /// out: do not acknowledge; let the broker deliver it again after `retry_after`.
     #[error("the message is being processed by another worker; retry after {retry_after:?}")]
@@ -213,19 +223,27 @@ async fn take_over_an_expired_claim<E>(
 /// swallowed a failed statement, which aborted the transaction, or ended the transaction
 /// itself) drops it, which rolls it back, and answers [`InboxError::Aborted`].
 async fn commit_unless_aborted<E>(
-    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    tx: sqlx::Transaction<'_, sqlx::Postgres>,
     consumer: &str,
     message_id: &str,
 ) -> Result<(), InboxError<E>> {
     // In the transaction a pooler keeps this client's server connection: the unnamed
     // statement of a bound query is safe here (a named one would outlive it).
-    let pending = match sqlx::query_scalar(STILL_RECORDED)
+    let check = sqlx::query_scalar(STILL_RECORDED)
         .bind(consumer)
         .bind(message_id)
-        .persistent(false)
-        .fetch_one(&mut *tx)
-        .await
-    {
+        .persistent(false);
+    commit_unless_aborted_by(tx, check).await
+}
+
+/// Commits the work's transaction if `check` (a statement answering one `bool`: whether what
+/// the transaction wrote before the work is still in it) says so; else rolls it back and
+/// answers [`InboxError::Aborted`], as [`commit_unless_aborted`].
+async fn commit_unless_aborted_by<E>(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    check: sqlx::query::QueryScalar<'_, sqlx::Postgres, bool, sqlx::postgres::PgArguments>,
+) -> Result<(), InboxError<E>> {
+    let pending = match check.fetch_one(&mut *tx).await {
         Ok(pending) => pending,
         Err(err) if has_sqlstate(&err, IN_FAILED_TRANSACTION) => false,
         Err(err) => return Err(db_error(err).into()),

@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
+use super::order::{advance, check_key};
 use super::{
-    Inbox, InboxError, LOOK, MAX_MESSAGE_ID, SERIALIZATION_FAILURE, commit_unless_aborted,
+    Inbox, InboxError, LOOK, MAX_MESSAGE_ID, Ordered, SERIALIZATION_FAILURE, commit_unless_aborted,
     has_sqlstate, lease_left,
 };
 use crate::error::StoreError;
@@ -213,11 +214,51 @@ impl MessageLease {
     /// [`Inbox::process`]. In every case nothing was committed, and the lease is released
     /// (unless it was lost), so the redelivery works on the message at once: do not
     /// acknowledge.
-    pub async fn commit<T, E, F>(mut self, work: F) -> Result<T, InboxError<E>>
+    pub async fn commit<T, E, F>(self, work: F) -> Result<T, InboxError<E>>
     where
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
     {
-        let outcome = self.commit_inner(work).await;
+        match self.end(None, work).await? {
+            Ordered::Applied(out) => Ok(out),
+            // Cannot happen: without a position the work always runs. Answered as a
+            // commit that did not happen rather than a panic.
+            Ordered::Stale => Err(InboxError::Aborted),
+        }
+    }
+
+    /// As [`commit`](Self::commit), in order: the message is at `position` of the ordering
+    /// key `key` (an account, an entity; see [`Ordered`]). When the consumer applied that
+    /// position or a later one of the key before, the work does not run, the message is
+    /// recorded as processed (a redelivery is a `Duplicate`), and this is
+    /// [`Ordered::Stale`]; else the work runs and the key's position moves to `position`, in
+    /// one commit with the work and the message's ID. Acknowledge the message after this
+    /// returns `Ok` (either variant).
+    ///
+    /// # Errors
+    ///
+    /// [`InboxError::InvalidOrderKey`], and as [`commit`](Self::commit).
+    pub async fn commit_in_order<T, E, F>(
+        self,
+        key: &str,
+        position: i64,
+        work: F,
+    ) -> Result<Ordered<T>, InboxError<E>>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+    {
+        check_key(key)?;
+        self.end(Some((key, position)), work).await
+    }
+
+    async fn end<T, E, F>(
+        mut self,
+        order: Option<(&str, i64)>,
+        work: F,
+    ) -> Result<Ordered<T>, InboxError<E>>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+    {
+        let outcome = self.commit_inner(order, work).await;
         match &outcome {
             Ok(_) | Err(InboxError::LeaseLost) => self.ended = true,
             // Dropped: released in the background.
@@ -226,12 +267,32 @@ impl MessageLease {
         outcome
     }
 
-    async fn commit_inner<T, E, F>(&self, work: F) -> Result<T, InboxError<E>>
+    async fn commit_inner<T, E, F>(
+        &self,
+        order: Option<(&str, i64)>,
+        work: F,
+    ) -> Result<Ordered<T>, InboxError<E>>
     where
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
     {
-        let pool = &self.inbox.pool;
-        let mut tx = pool.begin().await.map_err(db_error)?;
+        let mut tx = self.finish().await?;
+        if let Some((key, position)) = order
+            && !advance(&mut tx, &self.consumer, key, position).await?
+        {
+            tx.commit().await.map_err(db_error)?;
+            return Ok(Ordered::Stale);
+        }
+        let out = work(&mut tx).await.map_err(InboxError::Work)?;
+        commit_unless_aborted(tx, &self.consumer, &self.message_id).await?;
+        Ok(Ordered::Applied(out))
+    }
+
+    /// Opens a transaction whose first statement turns the claim into a processed message
+    /// (and locks its row), or [`InboxError::LeaseLost`].
+    pub(super) async fn finish<E>(
+        &self,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, InboxError<E>> {
+        let mut tx = self.inbox.pool.begin().await.map_err(db_error)?;
         // In the transaction a pooler keeps this client's server connection: unnamed bound
         // statements are safe here.
         let finished = sqlx::query(FINISH)
@@ -245,9 +306,35 @@ impl MessageLease {
         if finished.rows_affected() != 1 {
             return Err(InboxError::LeaseLost);
         }
-        let out = work(&mut tx).await.map_err(InboxError::Work)?;
-        commit_unless_aborted(tx, &self.consumer, &self.message_id).await?;
-        Ok(out)
+        Ok(tx)
+    }
+
+    /// As [`commit_in_order`](Self::commit_in_order) (`order` given) or
+    /// [`commit`](Self::commit), keeping the lease when the work fails, so that the caller
+    /// can count the failure under it.
+    pub(super) async fn commit_keeping<T, E, F>(
+        &mut self,
+        order: Option<(&str, i64)>,
+        work: F,
+    ) -> Result<Ordered<T>, InboxError<E>>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+    {
+        let outcome = self.commit_inner(order, work).await;
+        if matches!(outcome, Ok(_) | Err(InboxError::LeaseLost)) {
+            self.ended = true;
+        }
+        outcome
+    }
+
+    /// Marks the lease as ended: its drop releases nothing.
+    pub(super) fn ended(&mut self) {
+        self.ended = true;
+    }
+
+    /// The consumer the message was claimed for.
+    pub(super) fn consumer(&self) -> &str {
+        &self.consumer
     }
 }
 

@@ -79,6 +79,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "plain mode's claim and completion, each one function",
         include_str!("../../migrations/0012_lean_plain_functions.sql"),
     ),
+    (
+        13,
+        "positions and failed attempts of message consumers",
+        include_str!("../../migrations/0013_consumer_positions_and_failures.sql"),
+    ),
 ];
 
 /// The advisory lock taken while migrating, so that app instances starting together apply

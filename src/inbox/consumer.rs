@@ -1,0 +1,549 @@
+//! The Idempotent Consumer, whole: one call per delivery that claims the message, keeps its
+//! lease while remote work runs, applies it in order with its ID, counts failed attempts,
+//! parks poison messages, and says how to settle the delivery with the broker.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgConnection;
+use tracing::Instrument;
+
+use super::dead::{bounded, park, record_failure};
+use super::{Claim, Inbox, InboxError, MAX_MESSAGE_ID, MessageLease, Ordered};
+use crate::error::{ConfigError, StoreError};
+
+/// The longest consumer name, in bytes.
+const MAX_CONSUMER_NAME: usize = 200;
+
+/// A consumer's settings over an [`Inbox`]: its name, the lease of a message's work, how many
+/// failed attempts park a message, and the delay before a failed one is delivered again.
+/// Cheap to clone.
+///
+/// [`deliver`](Consumer::deliver) takes one delivery through the whole pattern:
+///
+/// 1. a delivery without a usable ID is [`Outcome::Rejected`];
+/// 2. the ID is claimed with a lease, committed at once: an ID processed before is
+///    [`Outcome::Duplicate`] (the ID check comes first, so a seen message is never
+///    [`Outcome::Stale`]); one that another worker holds is [`Outcome::InProgress`];
+/// 3. an ordered message at or below its key's applied position is [`Outcome::Stale`]
+///    (recorded as processed, its work never runs);
+/// 4. the remote part of the work runs with no transaction open and no connection held,
+///    while the lease is renewed;
+/// 5. the database part runs in one transaction with the ID and the key's new position:
+///    [`Outcome::Processed`];
+/// 6. a failure of either part is counted; below the consumer's limit it is
+///    [`Outcome::Failed`] (released, delivered again after a backoff), at the limit the
+///    message is parked ([`Outcome::Parked`]: recorded as processed, kept with its reason as
+///    a dead letter, never applied).
+///
+/// Each delivery is counted (feature `metrics`) in
+/// `tower_idempotency_inbox_deliveries_total{consumer, result}`, and redeliveries also in
+/// `tower_idempotency_inbox_redeliveries_total{consumer, result}` (a redelivery that is not a
+/// `duplicate` is one whose earlier attempt never committed). Each runs in a `tracing` span
+/// named `process` with OpenTelemetry's messaging attributes. No message ID is ever a label.
+#[derive(Clone, Debug)]
+pub struct Consumer {
+    inbox: Inbox,
+    name: Arc<str>,
+    lease: Duration,
+    max_failures: u32,
+    first_retry: Duration,
+    max_retry: Duration,
+    system: &'static str,
+}
+
+/// One delivery of a message, as [`Consumer::deliver`] needs it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Message<'a> {
+    id: Option<&'a str>,
+    order: Option<(&'a str, i64)>,
+    payload: Option<&'a [u8]>,
+    redelivered: bool,
+    destination: Option<&'a str>,
+}
+
+impl<'a> Message<'a> {
+    /// A delivery of the message with this ID (`None`: it came without one, and is
+    /// [`Outcome::Rejected`]). Choose the ID the producer sets once per logical message and
+    /// keeps on every retry (`Nats-Msg-Id`, AMQP `message_id`), not one the broker assigns
+    /// per publish.
+    pub fn new(id: Option<&'a str>) -> Self {
+        Self {
+            id,
+            ..Self::default()
+        }
+    }
+
+    /// The message is at `position` of the ordering key `key` (an account and the
+    /// producer's sequence for it, say): applied only past the key's last applied position,
+    /// which moves in the same commit.
+    #[must_use]
+    pub fn ordered(mut self, key: &'a str, position: i64) -> Self {
+        self.order = Some((key, position));
+        self
+    }
+
+    /// The payload to keep with the message if it is parked.
+    #[must_use]
+    pub fn payload(mut self, payload: &'a [u8]) -> Self {
+        self.payload = Some(payload);
+        self
+    }
+
+    /// Whether the broker says it delivered the message before (JetStream: a delivery count
+    /// above one; AMQP: `redelivered`). Only a hint, counted in the metrics: the inbox, not
+    /// the flag, decides what is a duplicate.
+    #[must_use]
+    pub fn redelivered(mut self, redelivered: bool) -> Self {
+        self.redelivered = redelivered;
+        self
+    }
+
+    /// The subject, queue or topic the message came from, for the tracing span.
+    #[must_use]
+    pub fn destination(mut self, destination: &'a str) -> Self {
+        self.destination = Some(destination);
+        self
+    }
+}
+
+/// What [`Consumer::deliver`] did with a delivery; [`settle`](Outcome::settle) says what to
+/// tell the broker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Outcome<T> {
+    /// A new message: its work ran and committed with its ID (and its position).
+    Processed(T),
+    /// The message was processed (or parked) before: nothing ran.
+    Duplicate,
+    /// The message is at or below its key's applied position: recorded as processed, its
+    /// work did not run.
+    Stale,
+    /// The message's work failed as often as the consumer allows: recorded as processed and
+    /// kept as a dead letter ([`Inbox::dead_letters`]) with `reason`; never applied.
+    Parked {
+        /// How many attempts failed.
+        attempts: u32,
+        /// The last attempt's reason.
+        reason: String,
+    },
+    /// The delivery cannot be a message: no ID, an unusable ID or ordering key, or a payload
+    /// the application refused ([`Consumer::reject`]). Nothing is recorded.
+    Rejected {
+        /// Why.
+        reason: String,
+    },
+    /// This attempt failed and nothing committed; the message should be delivered again
+    /// after `retry_after`.
+    Failed {
+        /// Failed attempts of the message's work so far; zero when the work did not fail
+        /// (the database failed, or the lease was lost to another worker).
+        attempts: u32,
+        /// Why.
+        reason: String,
+        /// The backoff before the next delivery.
+        retry_after: Duration,
+    },
+    /// Another worker holds the message under a lease that has not run out: nothing ran;
+    /// deliver it again after `retry_after`.
+    InProgress {
+        /// How long until the other worker's lease runs out.
+        retry_after: Duration,
+    },
+}
+
+/// What to tell the broker about a delivery ([`Outcome::settle`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settle {
+    /// Acknowledge: the message is done with (processed, a duplicate, stale, or parked).
+    Ack,
+    /// Do not acknowledge; deliver it again after this long (JetStream: `nak` with the
+    /// delay; RabbitMQ: reject with requeue after the delay).
+    Retry(Duration),
+    /// Acknowledge so that it is never delivered again (JetStream: `term`; RabbitMQ: reject
+    /// without requeue, to a dead-letter exchange if one is set).
+    Reject,
+}
+
+impl<T> Outcome<T> {
+    /// The result's name, as in the metrics and the span: `processed`, `duplicate`, `stale`,
+    /// `parked`, `rejected`, or `failed` (for [`Outcome::Failed`] and
+    /// [`Outcome::InProgress`]: both are redelivered).
+    pub fn result(&self) -> &'static str {
+        match self {
+            Self::Processed(_) => "processed",
+            Self::Duplicate => "duplicate",
+            Self::Stale => "stale",
+            Self::Parked { .. } => "parked",
+            Self::Rejected { .. } => "rejected",
+            Self::Failed { .. } | Self::InProgress { .. } => "failed",
+        }
+    }
+
+    /// What to tell the broker. Settle after [`Consumer::deliver`] returns, never before:
+    /// the commit comes first.
+    pub fn settle(&self) -> Settle {
+        match self {
+            Self::Processed(_) | Self::Duplicate | Self::Stale | Self::Parked { .. } => Settle::Ack,
+            Self::Rejected { .. } => Settle::Reject,
+            Self::Failed { retry_after, .. } | Self::InProgress { retry_after } => {
+                Settle::Retry(*retry_after)
+            }
+        }
+    }
+}
+
+impl Consumer {
+    /// A consumer named `name` (the key of its message IDs and positions, and its metrics
+    /// label) over `inbox`: a lease of 30 s, renewed every third of it while remote work
+    /// runs; a message parked after 5 failed attempts; failed ones delivered again after
+    /// 100 ms, doubling up to 30 s.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidConsumerName`] when `name` is empty or longer than 200 bytes.
+    pub fn new(inbox: Inbox, name: impl Into<String>) -> Result<Self, ConfigError> {
+        let name = name.into();
+        if name.is_empty() || name.len() > MAX_CONSUMER_NAME {
+            return Err(ConfigError::InvalidConsumerName);
+        }
+        Ok(Self {
+            inbox,
+            name: name.into(),
+            lease: Duration::from_secs(30),
+            max_failures: 5,
+            first_retry: Duration::from_millis(100),
+            max_retry: Duration::from_secs(30),
+            system: "unknown",
+        })
+    }
+
+    /// How long a claim holds a message without a renewal. While the work runs it is
+    /// renewed every third of it; a worker that dies holds the message this long, then the
+    /// next delivery takes it over. Match the broker's redelivery timeout (JetStream's
+    /// `ack_wait`, renewed there by in-progress acks), so that neither gives the message to a
+    /// second worker while the first one lives.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::ZeroLease`].
+    pub fn with_lease(mut self, lease: Duration) -> Result<Self, ConfigError> {
+        if lease.is_zero() {
+            return Err(ConfigError::ZeroLease);
+        }
+        self.lease = lease;
+        Ok(self)
+    }
+
+    /// How many failed attempts of a message's work park it (default 5).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::ZeroMaxFailures`].
+    pub fn with_max_failures(mut self, attempts: u32) -> Result<Self, ConfigError> {
+        if attempts == 0 {
+            return Err(ConfigError::ZeroMaxFailures);
+        }
+        self.max_failures = attempts;
+        Ok(self)
+    }
+
+    /// The delay before a failed message is delivered again: `first` after the first failed
+    /// attempt, doubling with each one, at most `max`.
+    #[must_use]
+    pub fn with_retry_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.first_retry = first;
+        self.max_retry = max.max(first);
+        self
+    }
+
+    /// The broker's name in the spans' `messaging.system` (`nats`, `kafka`, `rabbitmq`,
+    /// `aws_sqs`).
+    #[must_use]
+    pub fn with_messaging_system(mut self, system: &'static str) -> Self {
+        self.system = system;
+        self
+    }
+
+    /// The consumer's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The inbox the consumer records in.
+    pub fn inbox(&self) -> &Inbox {
+        &self.inbox
+    }
+
+    /// The last position the consumer applied for `key` ([`Inbox::position`]).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Backend`] when the database fails.
+    pub async fn position(&self, key: &str) -> Result<Option<i64>, StoreError> {
+        self.inbox.position(&self.name, key).await
+    }
+
+    /// Counts and traces a delivery the application refused before it reached the inbox (a
+    /// payload that does not parse, say), and answers [`Outcome::Rejected`]:
+    /// [`Settle::Reject`], so the broker never delivers it again.
+    pub fn reject<T>(&self, message: &Message<'_>, reason: impl Into<String>) -> Outcome<T> {
+        let outcome = Outcome::Rejected {
+            reason: reason.into(),
+        };
+        let span = self.span(message);
+        span.in_scope(|| self.record(message, &outcome));
+        outcome
+    }
+
+    /// Takes one delivery through the pattern (see [`Consumer`]): `remote` is the part of the
+    /// work that leaves the database (a provider call, carrying a key derived from the
+    /// message ID, since a takeover after a crash runs it again); it runs with no
+    /// transaction open while the lease is renewed. `work` gets its result and the
+    /// transaction that commits the ID: do every write of the message through it.
+    ///
+    /// Never fails: every failure is an [`Outcome`] whose [`settle`](Outcome::settle) says
+    /// what to tell the broker.
+    pub async fn deliver<P, T, E, R, W>(
+        &self,
+        message: &Message<'_>,
+        remote: R,
+        work: W,
+    ) -> Outcome<T>
+    where
+        R: AsyncFnOnce() -> Result<P, E>,
+        W: AsyncFnOnce(&mut PgConnection, P) -> Result<T, E>,
+        E: std::fmt::Display,
+    {
+        let span = self.span(message);
+        let outcome = self
+            .deliver_inner(message, remote, work)
+            .instrument(span.clone())
+            .await;
+        span.in_scope(|| self.record(message, &outcome));
+        outcome
+    }
+
+    async fn deliver_inner<P, T, E, R, W>(
+        &self,
+        message: &Message<'_>,
+        remote: R,
+        work: W,
+    ) -> Outcome<T>
+    where
+        R: AsyncFnOnce() -> Result<P, E>,
+        W: AsyncFnOnce(&mut PgConnection, P) -> Result<T, E>,
+        E: std::fmt::Display,
+    {
+        let Some(id) = message.id else {
+            return rejected("the message has no ID");
+        };
+        if id.is_empty() || id.len() > MAX_MESSAGE_ID {
+            return rejected("message IDs must be 1 to 1024 bytes long");
+        }
+        if let Some((key, _)) = message.order
+            && (key.is_empty() || key.len() > super::order::MAX_ORDER_KEY)
+        {
+            return rejected("ordering keys must be 1 to 1024 bytes long");
+        }
+        let lease = match self.inbox.claim::<E>(&self.name, id, self.lease).await {
+            Ok(Claim::Acquired(lease)) => lease,
+            Ok(Claim::Duplicate) => return Outcome::Duplicate,
+            Ok(Claim::InProgress { retry_after }) => return Outcome::InProgress { retry_after },
+            Err(e) => return self.unavailable(&e),
+        };
+        // Stale before any remote work: a message applied before must not call out again.
+        if let Some((key, position)) = message.order {
+            match self.inbox.position(&self.name, key).await {
+                Ok(Some(applied)) if position <= applied => {
+                    return match lease
+                        .commit_in_order(
+                            key,
+                            position,
+                            async |_: &mut PgConnection| Ok::<(), E>(()),
+                        )
+                        .await
+                    {
+                        Ok(_) => Outcome::Stale,
+                        Err(e) => self.unavailable(&e),
+                    };
+                }
+                Ok(_) => {}
+                Err(e) => return self.unavailable(&InboxError::<E>::Store(e)),
+            }
+        }
+        let prepared = match keep_alive(&lease, remote()).await {
+            Some(Ok(prepared)) => prepared,
+            Some(Err(e)) => return self.failed(lease, message, &e.to_string()).await,
+            None => return self.unavailable(&InboxError::<E>::LeaseLost),
+        };
+        let mut lease = lease;
+        let committed = lease
+            .commit_keeping(message.order, async |tx: &mut PgConnection| {
+                work(tx, prepared).await
+            })
+            .await;
+        match committed {
+            Ok(Ordered::Applied(out)) => Outcome::Processed(out),
+            Ok(Ordered::Stale) => Outcome::Stale,
+            Err(InboxError::Work(e)) => self.failed(lease, message, &e.to_string()).await,
+            Err(e @ InboxError::Aborted) => self.failed(lease, message, &e.to_string()).await,
+            Err(e) => self.unavailable(&e),
+        }
+    }
+
+    /// Counts a failed attempt of the leased message's work, and parks it at the limit or
+    /// releases it for the next delivery.
+    async fn failed<T>(
+        &self,
+        lease: MessageLease,
+        message: &Message<'_>,
+        reason: &str,
+    ) -> Outcome<T> {
+        let attempts = match record_failure(&self.inbox, &lease, reason).await {
+            Ok(attempts) => attempts,
+            Err(e) => return self.unavailable(&InboxError::<()>::Store(e)),
+        };
+        let reason = bounded(reason).to_owned();
+        if attempts >= self.max_failures {
+            return match park::<()>(lease, message.payload).await {
+                Ok(()) => Outcome::Parked { attempts, reason },
+                Err(e) => self.unavailable(&e),
+            };
+        }
+        if let Err(e) = lease.release().await {
+            // The lease frees the message when it runs out; the redelivery waits for that.
+            tracing::warn!(
+                error = &e as &dyn std::error::Error,
+                "could not release a failed message's lease"
+            );
+        }
+        Outcome::Failed {
+            attempts,
+            reason,
+            retry_after: self.backoff(attempts),
+        }
+    }
+
+    /// The delay before the delivery after `attempts` failed ones.
+    fn backoff(&self, attempts: u32) -> Duration {
+        let doublings = attempts.saturating_sub(1).min(30);
+        self.first_retry
+            .saturating_mul(1 << doublings)
+            .min(self.max_retry)
+    }
+
+    /// A failure that is not the work's (the database, a lost lease): not counted, retried
+    /// after the first backoff.
+    fn unavailable<T, E>(&self, e: &InboxError<E>) -> Outcome<T> {
+        let reason = match e {
+            InboxError::Store(store) => format!("{e}: {}", source_chain(store)),
+            _ => e.to_string(),
+        };
+        Outcome::Failed {
+            attempts: 0,
+            reason,
+            retry_after: self.first_retry,
+        }
+    }
+
+    fn span(&self, message: &Message<'_>) -> tracing::Span {
+        tracing::info_span!(
+            "process",
+            otel.name = "process",
+            otel.kind = "consumer",
+            messaging.system = self.system,
+            messaging.operation.type = "process",
+            messaging.operation.name = "process",
+            messaging.consumer.group.name = &*self.name,
+            messaging.destination.name = message.destination,
+            messaging.message.id = message.id,
+            tower_idempotency.redelivered = message.redelivered,
+            tower_idempotency.result = tracing::field::Empty,
+        )
+    }
+
+    fn record<T>(&self, message: &Message<'_>, outcome: &Outcome<T>) {
+        let result = outcome.result();
+        tracing::Span::current().record("tower_idempotency.result", result);
+        match outcome {
+            Outcome::Failed {
+                reason, attempts, ..
+            } => {
+                tracing::warn!(attempts, reason = reason.as_str(), "message attempt failed");
+            }
+            Outcome::Parked { reason, attempts } => {
+                tracing::error!(attempts, reason = reason.as_str(), "message parked");
+            }
+            Outcome::Rejected { reason } => {
+                tracing::warn!(reason = reason.as_str(), "message rejected");
+            }
+            _ => tracing::debug!(result, "message settled"),
+        }
+        #[cfg(feature = "metrics")]
+        {
+            let consumer = self.name.to_string();
+            metrics::counter!(
+                "tower_idempotency_inbox_deliveries_total",
+                "consumer" => consumer.clone(),
+                "result" => result,
+            )
+            .increment(1);
+            if message.redelivered {
+                metrics::counter!(
+                    "tower_idempotency_inbox_redeliveries_total",
+                    "consumer" => consumer,
+                    "result" => result,
+                )
+                .increment(1);
+            }
+        }
+        #[cfg(not(feature = "metrics"))]
+        let _ = message;
+    }
+}
+
+fn rejected<T>(reason: &str) -> Outcome<T> {
+    Outcome::Rejected {
+        reason: reason.to_owned(),
+    }
+}
+
+/// An error and its causes, `: `-separated.
+fn source_chain(e: &StoreError) -> String {
+    let mut out = String::new();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
+}
+
+/// Runs `work` while renewing `lease` every third of its length; `None` when the lease was
+/// lost (another worker took the message over), and the work is dropped.
+async fn keep_alive<F: Future>(lease: &MessageLease, work: F) -> Option<F::Output> {
+    let every = lease.lease() / 3;
+    let mut work = std::pin::pin!(work);
+    let mut next = tokio::time::Instant::now() + every;
+    loop {
+        match tokio::time::timeout_at(next, &mut work).await {
+            Ok(out) => return Some(out),
+            Err(_) => {
+                next += every;
+                match lease.renew().await {
+                    Ok(true) => {}
+                    Ok(false) => return None,
+                    // The lease still holds for two thirds of it: try again at the next tick.
+                    Err(e) => tracing::warn!(
+                        error = &e as &dyn std::error::Error,
+                        "could not renew a message lease"
+                    ),
+                }
+            }
+        }
+    }
+}
