@@ -229,6 +229,41 @@ ensure_redis_binaries
 ensure_redis
 echo "scripts/test.sh: Redis tests use $REDIS_URL and the cluster at $TI_REDIS_CLUSTER_URLS" >&2
 
+ensure_nats() {
+    local nats="${NATS_URL:-nats://127.0.0.1:4222}" rest host port dir
+    rest="${nats#*://}"
+    rest="${rest#*@}"
+    host="${rest%%:*}"
+    port=4222
+    [[ "$rest" == *:* ]] && port="${rest##*:}"
+    if ! port_open "$host" "$port"; then
+        [[ -n "${NATS_URL:-}" ]] && die "NATS_URL=$NATS_URL does not answer. Start that server (with JetStream:
+nats-server -js), or unset NATS_URL to let this script start a local one."
+        if ! command -v nats-server >/dev/null; then
+            if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+                echo "scripts/test.sh: NATS is not installed; installing nats-server with apt-get" >&2
+                apt-get update -qq
+                DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server >/dev/null
+            else
+                die "nats-server is not installed; the JetStream tests need it.
+Install it (Debian/Ubuntu: sudo apt-get install nats-server; macOS: brew install nats-server;
+or a release from https://github.com/nats-io/nats-server) and run ./scripts/test.sh again,
+or set NATS_URL to a server with JetStream."
+            fi
+        fi
+        dir="$(mktemp -d "${TMPDIR:-/tmp}/tower-idempotency-nats.XXXXXX")"
+        echo "scripts/test.sh: starting nats-server -js on 127.0.0.1:$port" >&2
+        nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir" -l "$dir/log" -P "$dir/pid" &
+        on_exit+=("$(printf 'kill "$(cat %q/pid 2>/dev/null)" 2>/dev/null; rm -rf %q' "$dir" "$dir")")
+        for _ in $(seq 1 50); do port_open 127.0.0.1 "$port" && break; sleep 0.1; done
+        port_open 127.0.0.1 "$port" || die "nats-server did not start (see $dir/log)"
+    fi
+    export NATS_URL="$nats"
+}
+
+ensure_nats
+echo "scripts/test.sh: JetStream tests use $NATS_URL" >&2
+
 find_pgbouncer() {
     local p
     for p in "$(command -v pgbouncer 2>/dev/null)" /usr/sbin/pgbouncer /usr/local/bin/pgbouncer /opt/homebrew/bin/pgbouncer; do
@@ -273,8 +308,8 @@ for level in "repeatable read" "serializable"; do
     echo "scripts/test.sh: the Postgres suites again at default_transaction_isolation = $level" >&2
     TI_ISOLATION="$level" cargo test --all-features \
         --test behaviour --test transactional --test postgres --test inbox --test model \
-        --test cancellation --test round_trips --test payments_e2e --test scope \
-        --test connection_loss --test stalls --test wait --test phased
+        --test cancellation --test round_trips --test payments_e2e --test scope --test consumer \
+        --test connection_loss --test stalls --test wait --test phased --test jetstream_e2e
 done
 
 # The behaviour suite, the example's end-to-end tests and the pooler's own tests once more,

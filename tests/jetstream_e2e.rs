@@ -170,6 +170,7 @@ struct Fixture {
     js: jetstream::Context,
     stream: String,
     subject: String,
+    nats_url: String,
     db: support::PgDatabase,
 }
 
@@ -188,6 +189,7 @@ impl Fixture {
             js: jetstream::new(client),
             stream,
             subject,
+            nats_url: nats_url(),
             db: support::PgDatabase::new().await,
         }
     }
@@ -197,7 +199,7 @@ impl Fixture {
         let mut env = vec![
             ("STREAM", self.stream.as_str()),
             ("DATABASE_URL", self.db.url.as_str()),
-            ("NATS_URL", "nats://127.0.0.1:4222"),
+            ("NATS_URL", self.nats_url.as_str()),
         ];
         env.extend_from_slice(extra);
         env

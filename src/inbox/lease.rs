@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
-use super::order::{advance, check_key};
+use super::order::{ADVANCE_ATTEMPTS, Advance, advance, check_key, raced};
 use super::{
     Inbox, InboxError, LOOK, MAX_MESSAGE_ID, Ordered, SERIALIZATION_FAILURE, commit_unless_aborted,
     has_sqlstate, lease_left,
@@ -275,13 +275,26 @@ impl MessageLease {
     where
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
     {
-        let mut tx = self.finish().await?;
-        if let Some((key, position)) = order
-            && !advance(&mut tx, &self.consumer, key, position).await?
-        {
-            tx.commit().await.map_err(db_error)?;
-            return Ok(Ordered::Stale);
-        }
+        let mut attempts = 0;
+        let mut tx = loop {
+            let mut tx = self.finish().await?;
+            let Some((key, position)) = order else {
+                break tx;
+            };
+            match advance(&mut tx, &self.consumer, key, position).await? {
+                Advance::Moved => break tx,
+                Advance::Stale => {
+                    tx.commit().await.map_err(db_error)?;
+                    return Ok(Ordered::Stale);
+                }
+                // The claim is still held: its finish rolls back with the transaction.
+                Advance::Raced if attempts + 1 < ADVANCE_ATTEMPTS => {
+                    attempts += 1;
+                    tx.rollback().await.map_err(db_error)?;
+                }
+                Advance::Raced => return Err(InboxError::Store(raced())),
+            }
+        };
         let out = work(&mut tx).await.map_err(InboxError::Work)?;
         commit_unless_aborted(tx, &self.consumer, &self.message_id).await?;
         Ok(Ordered::Applied(out))

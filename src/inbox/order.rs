@@ -14,7 +14,10 @@
 
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
-use super::{Inbox, InboxError, MAX_MESSAGE_ID, commit_unless_aborted_by};
+use super::{
+    Inbox, InboxError, MAX_MESSAGE_ID, SERIALIZATION_FAILURE, commit_unless_aborted_by,
+    has_sqlstate,
+};
 use crate::error::StoreError;
 use crate::store::postgres::db_error;
 use crate::store::sql::{Lit, fill};
@@ -55,6 +58,14 @@ const STILL_ADVANCED: &str = "
 SELECT EXISTS (SELECT 1 FROM tower_idempotency_positions
                 WHERE consumer = $1 AND key = $2 AND position = $3)";
 
+/// The error after [`ADVANCE_ATTEMPTS`] lost races.
+pub(super) fn raced() -> StoreError {
+    StoreError::backend(format!(
+        "the position's row was moved by concurrent transactions {ADVANCE_ATTEMPTS} times \
+         in a row (serialization failures)"
+    ))
+}
+
 /// Refuses an ordering key that is empty or too long.
 pub(super) fn check_key<E>(key: &str) -> Result<(), InboxError<E>> {
     if key.is_empty() || key.len() > MAX_ORDER_KEY {
@@ -63,13 +74,30 @@ pub(super) fn check_key<E>(key: &str) -> Result<(), InboxError<E>> {
     Ok(())
 }
 
-/// Moves the key's position in `tx`; `true` when it moved.
+/// How often a transaction whose move of a position lost a race under `REPEATABLE READ` or
+/// `SERIALIZABLE` is begun again (the work has not run yet) before the failure is returned.
+/// Each lost race means another delivery of the key committed, so with fewer than this many
+/// deliveries of one key at once every one of them ends.
+pub(super) const ADVANCE_ATTEMPTS: usize = 32;
+
+/// What [`advance`] found.
+pub(super) enum Advance {
+    /// The position moved to the message's.
+    Moved,
+    /// The position is at or past the message's.
+    Stale,
+    /// Under `REPEATABLE READ` or `SERIALIZABLE`, another transaction moved the position
+    /// after this one's snapshot (SQLSTATE 40001): the transaction is aborted; begin it again.
+    Raced,
+}
+
+/// Moves the key's position in `tx`, its first statement on the key.
 pub(super) async fn advance(
     tx: &mut PgConnection,
     consumer: &str,
     key: &str,
     position: i64,
-) -> Result<bool, StoreError> {
+) -> Result<Advance, StoreError> {
     // In the transaction a pooler keeps this client's server connection: an unnamed bound
     // statement is safe here.
     let row = sqlx::query(ADVANCE)
@@ -78,9 +106,13 @@ pub(super) async fn advance(
         .bind(position)
         .persistent(false)
         .fetch_optional(&mut *tx)
-        .await
-        .map_err(db_error)?;
-    Ok(row.is_some())
+        .await;
+    match row {
+        Ok(Some(_)) => Ok(Advance::Moved),
+        Ok(None) => Ok(Advance::Stale),
+        Err(e) if has_sqlstate(&e, SERIALIZATION_FAILURE) => Ok(Advance::Raced),
+        Err(e) => Err(db_error(e)),
+    }
 }
 
 impl Inbox {
@@ -128,11 +160,22 @@ impl Inbox {
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
     {
         check_key(key)?;
-        let mut tx = self.pool.begin().await.map_err(db_error)?;
-        if !advance(&mut tx, consumer, key, position).await? {
-            tx.rollback().await.map_err(db_error)?;
-            return Ok(Ordered::Stale);
-        }
+        let mut attempts = 0;
+        let mut tx = loop {
+            let mut tx = self.pool.begin().await.map_err(db_error)?;
+            match advance(&mut tx, consumer, key, position).await? {
+                Advance::Moved => break tx,
+                Advance::Stale => {
+                    tx.rollback().await.map_err(db_error)?;
+                    return Ok(Ordered::Stale);
+                }
+                Advance::Raced if attempts + 1 < ADVANCE_ATTEMPTS => {
+                    attempts += 1;
+                    tx.rollback().await.map_err(db_error)?;
+                }
+                Advance::Raced => return Err(InboxError::Store(raced())),
+            }
+        };
         let out = work(&mut tx).await.map_err(InboxError::Work)?;
         let check = sqlx::query_scalar(STILL_ADVANCED)
             .bind(consumer)

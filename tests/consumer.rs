@@ -1,0 +1,360 @@
+//! The inbox's consumer path against a real Postgres: positions (in order, stale, where to
+//! resume), `Consumer::deliver` (claim, lease renewal, ordered commit, counted failures,
+//! parking), and settings refused where they are given.
+#![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use sqlx::PgConnection;
+use support::PgSchema;
+use tower_idempotency::ConfigError;
+use tower_idempotency::inbox::{Consumer, Inbox, Message, Ordered, Outcome, Settle};
+
+async fn setup() -> (PgSchema, Inbox) {
+    let schema = PgSchema::new().await;
+    let inbox = Inbox::new(schema.pool(24).await);
+    inbox.migrate().await.unwrap();
+    sqlx::query(
+        "CREATE TABLE applied (n bigserial PRIMARY KEY, key text NOT NULL, position bigint NOT NULL)",
+    )
+    .execute(inbox.pool())
+    .await
+    .unwrap();
+    (schema, inbox)
+}
+
+async fn done(schema: PgSchema, inbox: Inbox) {
+    inbox.pool().close().await;
+    schema.drop_schema().await;
+}
+
+async fn apply(conn: &mut PgConnection, key: &str, position: i64) -> Result<i64, sqlx::Error> {
+    sqlx::query("INSERT INTO applied (key, position) VALUES ($1, $2)")
+        .bind(key)
+        .bind(position)
+        .execute(conn)
+        .await?;
+    Ok(position)
+}
+
+/// The positions applied, in commit order.
+async fn applied(inbox: &Inbox) -> Vec<i64> {
+    sqlx::query_scalar("SELECT position FROM applied ORDER BY n")
+        .fetch_all(inbox.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn positions_apply_forward_only_and_say_where_to_resume() {
+    let (schema, inbox) = setup().await;
+    assert_eq!(inbox.position("c", "p0").await.unwrap(), None);
+    for (position, want) in [
+        (1, Ordered::Applied(1)),
+        (1, Ordered::Stale),
+        (3, Ordered::Applied(3)),
+        (2, Ordered::Stale),
+        (4, Ordered::Applied(4)),
+    ] {
+        let got = inbox
+            .process_in_order("c", "p0", position, async |c: &mut PgConnection| {
+                apply(c, "p0", position).await
+            })
+            .await
+            .unwrap();
+        assert_eq!(got, want, "position {position}");
+    }
+    assert_eq!(applied(&inbox).await, [1, 3, 4]);
+    assert_eq!(inbox.position("c", "p0").await.unwrap(), Some(4));
+    // Per consumer and per key.
+    assert_eq!(inbox.position("other", "p0").await.unwrap(), None);
+    assert_eq!(inbox.position("c", "p1").await.unwrap(), None);
+    // Failed work moves nothing.
+    let failed = inbox
+        .process_in_order("c", "p0", 9, async |_: &mut PgConnection| {
+            Err::<(), _>("refused")
+        })
+        .await;
+    assert!(failed.is_err());
+    assert_eq!(inbox.position("c", "p0").await.unwrap(), Some(4));
+    let bad = inbox
+        .process_in_order("c", "", 1, async |_: &mut PgConnection| Ok::<_, ()>(()))
+        .await;
+    assert!(matches!(
+        bad,
+        Err(tower_idempotency::inbox::InboxError::InvalidOrderKey)
+    ));
+    done(schema, inbox).await;
+}
+
+/// Twenty deliveries of one key race, at random positions: whatever order they commit in,
+/// the positions applied only ever increase, and the last one is the highest.
+#[tokio::test]
+async fn racing_deliveries_of_one_key_never_apply_out_of_order() {
+    let (schema, inbox) = setup().await;
+    let positions: Vec<i64> = (1..=20).map(|n| (n * 7919) % 23).collect();
+    let mut tasks = Vec::new();
+    for position in positions.clone() {
+        let inbox = inbox.clone();
+        tasks.push(tokio::spawn(async move {
+            inbox
+                .process_in_order("c", "k", position, async |c: &mut PgConnection| {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    apply(c, "k", position).await
+                })
+                .await
+                .unwrap()
+        }));
+    }
+    for t in tasks {
+        let _ = t.await.unwrap();
+    }
+    let seen = applied(&inbox).await;
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
+    let max = *positions.iter().max().unwrap();
+    assert_eq!(seen.last(), Some(&max));
+    assert_eq!(inbox.position("c", "k").await.unwrap(), Some(max));
+    done(schema, inbox).await;
+}
+
+fn consumer(inbox: &Inbox) -> Consumer {
+    Consumer::new(inbox.clone(), "charges")
+        .unwrap()
+        .with_max_failures(3)
+        .unwrap()
+        .with_retry_backoff(Duration::from_millis(100), Duration::from_millis(150))
+}
+
+#[tokio::test]
+async fn deliver_processes_once_skips_duplicates_and_stale_without_calling_out() {
+    let (schema, inbox) = setup().await;
+    let consumer = consumer(&inbox);
+    let calls = AtomicUsize::new(0);
+    let deliver = async |id: &str, position: i64| {
+        let message = Message::new(Some(id)).ordered("acct", position);
+        consumer
+            .deliver(
+                &message,
+                async || {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, sqlx::Error>(position)
+                },
+                async |c: &mut PgConnection, p| apply(c, "acct", p).await,
+            )
+            .await
+    };
+    assert_eq!(deliver("m1", 1).await, Outcome::Processed(1));
+    assert_eq!(deliver("m2", 2).await, Outcome::Processed(2));
+    // A seen ID is a duplicate, even at a stale position.
+    assert_eq!(deliver("m1", 1).await, Outcome::Duplicate);
+    // A new ID at an applied position is stale, and the remote work is not called.
+    let before = calls.load(Ordering::SeqCst);
+    assert_eq!(deliver("m3", 2).await, Outcome::Stale);
+    assert_eq!(calls.load(Ordering::SeqCst), before);
+    // Recorded: its redelivery is a duplicate.
+    assert_eq!(deliver("m3", 2).await, Outcome::Duplicate);
+    assert_eq!(applied(&inbox).await, [1, 2]);
+    assert_eq!(consumer.position("acct").await.unwrap(), Some(2));
+    for outcome in [Outcome::Processed(1), Outcome::Duplicate, Outcome::Stale] {
+        assert_eq!(outcome.settle(), Settle::Ack);
+    }
+    done(schema, inbox).await;
+}
+
+#[tokio::test]
+async fn failed_attempts_are_counted_backed_off_and_parked_at_the_limit() {
+    let (schema, inbox) = setup().await;
+    let consumer = consumer(&inbox);
+    let calls = AtomicUsize::new(0);
+    let payload = br#"{"amount": 5}"#;
+    let deliver = async |fail_in_db: bool| {
+        let message = Message::new(Some("poison"))
+            .ordered("acct", 1)
+            .payload(payload);
+        consumer
+            .deliver(
+                &message,
+                async || {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    if fail_in_db {
+                        Ok(())
+                    } else {
+                        Err("the provider refused".to_owned())
+                    }
+                },
+                async |c: &mut PgConnection, ()| {
+                    apply(c, "acct", 1).await.map_err(|e| e.to_string())?;
+                    Err::<(), _>("the ledger refused".to_owned())
+                },
+            )
+            .await
+    };
+    let first = deliver(false).await;
+    assert_eq!(
+        first,
+        Outcome::Failed {
+            attempts: 1,
+            reason: "the provider refused".into(),
+            retry_after: Duration::from_millis(100)
+        }
+    );
+    assert_eq!(first.settle(), Settle::Retry(Duration::from_millis(100)));
+    assert_eq!(first.result(), "failed");
+    // A failure of the database part counts too, and its writes roll back.
+    let second = deliver(true).await;
+    assert_eq!(
+        second,
+        Outcome::Failed {
+            attempts: 2,
+            reason: "the ledger refused".into(),
+            retry_after: Duration::from_millis(150)
+        }
+    );
+    let third = deliver(false).await;
+    assert_eq!(
+        third,
+        Outcome::Parked {
+            attempts: 3,
+            reason: "the provider refused".into()
+        }
+    );
+    assert_eq!(third.settle(), Settle::Ack);
+    // Parked: never applied, never tried again.
+    assert_eq!(deliver(false).await, Outcome::Duplicate);
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    assert!(applied(&inbox).await.is_empty());
+    assert_eq!(consumer.position("acct").await.unwrap(), None);
+    let dead = inbox.dead_letters("charges", 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message_id, "poison");
+    assert_eq!(dead[0].attempts, 3);
+    assert_eq!(dead[0].reason, "the provider refused");
+    assert_eq!(dead[0].payload.as_deref(), Some(&payload[..]));
+    assert!(inbox.dead_letters("another", 10).await.unwrap().is_empty());
+    done(schema, inbox).await;
+}
+
+/// Remote work three times longer than the lease: renewed, so a redelivery meanwhile is
+/// told the message is in progress, and the work commits once.
+#[tokio::test]
+async fn a_lease_is_renewed_while_remote_work_outlasts_it() {
+    let (schema, inbox) = setup().await;
+    let consumer = consumer(&inbox)
+        .with_lease(Duration::from_millis(300))
+        .unwrap();
+    let message = Message::new(Some("slow")).ordered("acct", 1);
+    let started = Arc::new(tokio::sync::Notify::new());
+    let first = {
+        let consumer = consumer.clone();
+        let started = started.clone();
+        tokio::spawn(async move {
+            let message = Message::new(Some("slow")).ordered("acct", 1);
+            consumer
+                .deliver(
+                    &message,
+                    async || {
+                        started.notify_one();
+                        tokio::time::sleep(Duration::from_millis(900)).await;
+                        Ok::<_, sqlx::Error>(())
+                    },
+                    async |c: &mut PgConnection, ()| apply(c, "acct", 1).await,
+                )
+                .await
+        })
+    };
+    started.notified().await;
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let again = consumer
+            .deliver(
+                &message,
+                async || Ok::<_, sqlx::Error>(()),
+                async |c: &mut PgConnection, ()| apply(c, "acct", 1).await,
+            )
+            .await;
+        assert!(
+            matches!(again, Outcome::InProgress { .. } | Outcome::Duplicate),
+            "{again:?}"
+        );
+    }
+    assert_eq!(first.await.unwrap(), Outcome::Processed(1));
+    assert_eq!(applied(&inbox).await, [1]);
+    done(schema, inbox).await;
+}
+
+#[tokio::test]
+async fn unusable_deliveries_are_rejected_and_settings_refused() {
+    let (schema, inbox) = setup().await;
+    let consumer = consumer(&inbox);
+    let long = "k".repeat(1025);
+    for message in [
+        Message::new(None),
+        Message::new(Some("")),
+        Message::new(Some(&long)),
+        Message::new(Some("m")).ordered(&long, 1),
+        Message::new(Some("m")).ordered("", 1),
+    ] {
+        let outcome = consumer
+            .deliver(
+                &message,
+                async || Ok::<_, sqlx::Error>(()),
+                async |_: &mut PgConnection, ()| Ok(()),
+            )
+            .await;
+        assert!(matches!(outcome, Outcome::Rejected { .. }), "{outcome:?}");
+        assert_eq!(outcome.settle(), Settle::Reject);
+    }
+    let refused: Outcome<()> = consumer.reject(&Message::new(Some("m")), "not JSON");
+    assert_eq!(refused.result(), "rejected");
+    assert_eq!(
+        Consumer::new(inbox.clone(), "").unwrap_err(),
+        ConfigError::InvalidConsumerName
+    );
+    assert_eq!(
+        Consumer::new(inbox.clone(), "c".repeat(201)).unwrap_err(),
+        ConfigError::InvalidConsumerName
+    );
+    assert_eq!(
+        consumer.clone().with_lease(Duration::ZERO).unwrap_err(),
+        ConfigError::ZeroLease
+    );
+    assert_eq!(
+        consumer.clone().with_max_failures(0).unwrap_err(),
+        ConfigError::ZeroMaxFailures
+    );
+    done(schema, inbox).await;
+}
+
+/// The database down: a failure that is not the work's, not counted, retried.
+#[tokio::test]
+async fn a_database_failure_is_retried_and_not_counted() {
+    let (schema, inbox) = setup().await;
+    // The pool closed: every statement fails at once.
+    let closed = Inbox::new(inbox.pool().clone());
+    closed.pool().close().await;
+    let broken = Consumer::new(closed, "charges").unwrap();
+    let outcome = broken
+        .deliver(
+            &Message::new(Some("m")),
+            async || Ok::<_, sqlx::Error>(()),
+            async |_: &mut PgConnection, ()| Ok(()),
+        )
+        .await;
+    let Outcome::Failed { attempts, .. } = outcome else {
+        panic!("{outcome:?}");
+    };
+    assert_eq!(attempts, 0);
+    let fresh = schema.pool(1).await;
+    let failures: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM tower_idempotency_message_failures")
+            .fetch_one(&fresh)
+            .await
+            .unwrap();
+    assert_eq!(failures, 0);
+    fresh.close().await;
+    schema.drop_schema().await;
+}
