@@ -32,3 +32,19 @@ CREATE TABLE tower_idempotency_message_failures (
 CREATE INDEX tower_idempotency_message_failures_parked
     ON tower_idempotency_message_failures (consumer, parked_at)
     WHERE parked_at IS NOT NULL;
+
+-- The inbox in daily partitions (`DailyInbox`), for retention by dropping a day's partition
+-- instead of deleting its rows. A partitioned table's unique key must include the partition
+-- key, so it is unique within a day only; `day` is therefore a function of the message, not
+-- of the time it is processed: the UTC day the producer first sent the logical message, which
+-- every delivery and every republish of it carries. All deliveries of a message thus land in
+-- one partition, where the primary key catches each duplicate as the unpartitioned table's
+-- does. A message whose day has no partition (older than the retention, or too far ahead) is
+-- refused, never applied. The partitions are created ahead and dropped by the crate.
+CREATE TABLE tower_idempotency_processed_messages_daily (
+    consumer     text        NOT NULL,
+    message_id   text        NOT NULL,
+    day          date        NOT NULL,
+    processed_at timestamptz NOT NULL DEFAULT tower_idempotency_now(),
+    PRIMARY KEY (consumer, message_id, day)
+) PARTITION BY RANGE (day);

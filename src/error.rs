@@ -85,6 +85,10 @@ pub enum ConfigError {
     /// message would be parked without its work ever running.
     #[error("a consumer must allow at least one failed attempt before it parks a message")]
     ZeroMaxFailures,
+    /// A retention of zero ([`DailyInbox::new`](crate::inbox::DailyInbox::new)): every
+    /// message ID would be dropped as it is recorded.
+    #[error("an inbox's retention must be longer than zero")]
+    ZeroRetention,
 }
 
 impl StoreError {

@@ -63,11 +63,13 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 
 mod consumer;
+mod daily;
 mod dead;
 mod lease;
 mod order;
 
 pub use consumer::{Consumer, Message, Outcome, Settle};
+pub use daily::{DailyInbox, Maintenance};
 pub use dead::DeadLetter;
 pub use lease::{Claim, MessageLease};
 pub use order::Ordered;
@@ -104,6 +106,11 @@ pub enum InboxError<E> {
     /// ([`Inbox::process_in_order`], [`MessageLease::commit_in_order`]).
     #[error("ordering keys must be 1 to 1024 bytes long")]
     InvalidOrderKey,
+    /// The message's day has no partition in a [`DailyInbox`]: it was first sent longer ago
+    /// than the retention (its ID may have been dropped), or further ahead than the
+    /// partitions made. Nothing ran. Park or log it; do not apply it without the inbox.
+    #[error("the message's day is outside the daily inbox's partitions; nothing was applied")]
+    OutsideRetention,
     /// Another worker holds the message under a lease ([`Inbox::claim`]) that has not run
     /// out: do not acknowledge; let the broker deliver it again after `retry_after`.
     #[error("the message is being processed by another worker; retry after {retry_after:?}")]

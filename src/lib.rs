@@ -312,6 +312,7 @@ pub mod inbox;
 mod json;
 mod key;
 mod layer;
+pub mod message_id;
 mod mode;
 #[cfg(feature = "postgres")]
 pub mod phased;
@@ -407,6 +408,11 @@ pub mod problems {
     //! [`with_scope_required`](crate::IdempotencyLayer::with_scope_required)) and the request
     //! has none. The request was not processed; authenticate and retry with the same key.
 }
+
+/// The consumers guide's examples, compiled as doc tests.
+#[cfg(all(doctest, feature = "postgres"))]
+#[doc = include_str!("../docs/consumers.md")]
+pub struct ConsumersGuideDoctests;
 
 /// The README's examples, compiled as doc tests.
 #[cfg(all(doctest, feature = "axum", feature = "postgres"))]

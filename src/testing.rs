@@ -1,6 +1,7 @@
 //! The store conformance suite (feature `testing`): the checks every store of this crate
 //! passes, as public functions, so that the author of another store (DynamoDB, SQLite, a
-//! team's own Postgres schema) can run them from their own tests.
+//! team's own Postgres schema) can run them from their own tests. And [`duplicates`]: a
+//! duplicate-injection kit for your own consumers and handlers.
 //!
 //! Each check works on keys of its own (a fresh prefix per run), so one store instance can
 //! run them all, in any order, beside other data. The checks that model two app instances
@@ -23,6 +24,8 @@
 //! in the test report) and unwrap the result: a [`Failure`] names the check and what the
 //! store did instead.
 
+pub mod duplicates;
+
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -35,22 +38,19 @@ use crate::key::IdempotencyKey;
 use crate::response::StoredResponse;
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, Store};
 
-/// A check that the store did not pass: which one, and what happened.
+/// A check that the store (or, in [`duplicates`], your code) did not pass: which one, and
+/// what happened.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {
     /// The check's name (its function's).
     pub check: &'static str,
-    /// What the store did instead of what the contract says.
+    /// What happened instead of what the check expects.
     pub detail: String,
 }
 
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "store conformance check `{}` failed: {}",
-            self.check, self.detail
-        )
+        write!(f, "check `{}` failed: {}", self.check, self.detail)
     }
 }
 
