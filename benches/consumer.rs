@@ -12,9 +12,14 @@
 //! the same windows of a noisy machine), `--messages` new messages per way and round:
 //!
 //! - `none`: the work alone in a transaction: no ID recorded, a redelivery applied again;
+//! - `id-by-hand`: the least an ID can cost: one prepared `INSERT … ON CONFLICT DO NOTHING`
+//!   of it in the work's transaction, nothing else (no lock bound, no check that the work
+//!   left the transaction usable);
 //! - `process`: `Inbox::process`, the ID inserted in the work's transaction (one commit);
 //! - `in-order`: `Inbox::process_in_order`, the account's position moved in the work's
 //!   transaction instead of an ID (one commit, one row per account);
+//! - `consumer-process`: `Consumer::process`, ordered: the ID and the account's position moved
+//!   in the work's transaction, failures counted (one commit);
 //! - `deliver`: `Consumer::deliver`, unordered: the ID claimed with a lease and committed,
 //!   then the work committed with it (two commits: the lease that lets remote work run with
 //!   no transaction open);
@@ -35,7 +40,15 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tower_idempotency::inbox::{Consumer, Inbox, Message, Outcome};
 
-const WAYS: [&str; 5] = ["none", "process", "in-order", "deliver", "deliver-ordered"];
+const WAYS: [&str; 7] = [
+    "none",
+    "id-by-hand",
+    "process",
+    "in-order",
+    "consumer-process",
+    "deliver",
+    "deliver-ordered",
+];
 const ACCOUNTS: usize = 100;
 
 struct Args {
@@ -98,9 +111,22 @@ async fn consume(
             work(&mut tx, account, 1).await.unwrap();
             tx.commit().await.unwrap();
         }
+        "id-by-hand" => {
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query(
+                "INSERT INTO tower_idempotency_processed_messages (consumer, message_id)
+                 VALUES ('bench-by-hand', $1) ON CONFLICT DO NOTHING",
+            )
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            work(&mut tx, account, 1).await.unwrap();
+            tx.commit().await.unwrap();
+        }
         "process" => {
             let _ = inbox
-                .process("bench", id, async |c: &mut PgConnection| {
+                .process(consumer.name(), id, async |c: &mut PgConnection| {
                     work(c, account, 1).await
                 })
                 .await
@@ -109,13 +135,22 @@ async fn consume(
         "in-order" => {
             let _ = inbox
                 .process_in_order(
-                    "bench-in-order",
+                    consumer.name(),
                     account,
                     position,
                     async |c: &mut PgConnection| work(c, account, 1).await,
                 )
                 .await
                 .unwrap();
+        }
+        "consumer-process" => {
+            let message = Message::new(Some(id)).ordered(account, position);
+            let outcome = consumer
+                .process(&message, async |c: &mut PgConnection| {
+                    work(c, account, 1).await
+                })
+                .await;
+            assert!(matches!(outcome, Outcome::Processed(())), "{outcome:?}");
         }
         _ => {
             let mut message = Message::new(Some(id));
@@ -204,7 +239,11 @@ async fn main() {
     .execute(&pool)
     .await
     .unwrap();
-    let consumer = Consumer::new(inbox, "bench").unwrap();
+    // A consumer per way: each way's IDs and positions are its own.
+    let consumers: Vec<Consumer> = WAYS
+        .iter()
+        .map(|way| Consumer::new(inbox.clone(), format!("bench-{way}")).unwrap())
+        .collect();
     // One position counter per account and way, so each way's positions only grow.
     let positions: Vec<Arc<Vec<AtomicI64>>> = WAYS
         .iter()
@@ -213,13 +252,13 @@ async fn main() {
 
     // A warm-up round of every way, not counted.
     for (w, way) in WAYS.iter().enumerate() {
-        round(way, &pool, &consumer, &args, usize::MAX, &positions[w]).await;
+        round(way, &pool, &consumers[w], &args, usize::MAX, &positions[w]).await;
     }
     let mut rates = vec![Vec::new(); WAYS.len()];
     for r in 0..args.rounds {
         for k in 0..WAYS.len() {
             let w = (r + k) % WAYS.len();
-            let rate = round(WAYS[w], &pool, &consumer, &args, r, &positions[w]).await;
+            let rate = round(WAYS[w], &pool, &consumers[w], &args, r, &positions[w]).await;
             rates[w].push(rate);
         }
     }

@@ -65,12 +65,14 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 mod consumer;
 mod daily;
 mod dead;
+mod delivery;
 mod lease;
 mod order;
 
-pub use consumer::{Consumer, Message, Outcome, Settle};
+pub use consumer::Consumer;
 pub use daily::{DailyInbox, Maintenance};
 pub use dead::DeadLetter;
+pub use delivery::{Message, Outcome, Settle};
 pub use lease::{Claim, MessageLease};
 pub use order::Ordered;
 
@@ -148,13 +150,7 @@ const MAX_MESSAGE_ID: usize = 1024;
 /// Records the message ID, waiting at most the inbox's lock timeout (`$3`, ms) for a
 /// concurrent delivery of the same message; the work's own `lock_timeout` is put back after.
 const RECORD: &str = "
-SELECT set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true);
-SELECT set_config('lock_timeout', $3::text || 'ms', true);
-INSERT INTO tower_idempotency_processed_messages (consumer, message_id)
-VALUES ($1, $2)
-ON CONFLICT (consumer, message_id) DO NOTHING
-RETURNING true AS recorded;
-SELECT set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true)";
+SELECT tower_idempotency_record_message($1, $2, $3) AS recorded";
 
 /// The default [`Inbox::with_lock_timeout`].
 const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -344,8 +340,35 @@ impl Inbox {
     where
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
     {
+        Ok(
+            match self.process_at(consumer, message_id, None, work).await? {
+                Delivery::Processed(Ordered::Applied(out)) => Delivery::Processed(out),
+                // Cannot happen: without a position nothing is stale. Answered as a commit that
+                // did not happen rather than a panic.
+                Delivery::Processed(Ordered::Stale) => return Err(InboxError::Aborted),
+                Delivery::Duplicate => Delivery::Duplicate,
+            },
+        )
+    }
+
+    /// As [`process`](Self::process), and with `order` (a key and the message's position
+    /// in it) the key's position moved in the same transaction: a message at or below it is
+    /// recorded as processed without running the work (`Processed(Stale)`).
+    pub(crate) async fn process_at<T, E, F>(
+        &self,
+        consumer: &str,
+        message_id: &str,
+        order: Option<(&str, i64)>,
+        work: F,
+    ) -> Result<Delivery<Ordered<T>>, InboxError<E>>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+    {
         if message_id.is_empty() || message_id.len() > MAX_MESSAGE_ID {
             return Err(InboxError::InvalidMessageId);
+        }
+        if let Some((key, _)) = order {
+            order::check_key(key)?;
         }
         let record = fill(
             RECORD,
@@ -355,28 +378,45 @@ impl Inbox {
                 Lit::Int(millis(self.lock_timeout)),
             ],
         )?;
-        let mut tx = self.pool.begin().await.map_err(db_error)?;
-        // Waits only if another transaction inserted the same ID and has not ended yet. Sent
-        // as one simple-protocol message (no prepared statement: see `crate::store::sql`).
-        let recorded = match sqlx::raw_sql(AssertSqlSafe(record))
-            .fetch_all(&mut *tx)
-            .await
-        {
-            Ok(rows) => rows
-                .iter()
-                .any(|r| r.try_get::<bool, _>("recorded").is_ok()),
-            // Repeatable read or serializable: a delivery of the same message committed
-            // after this transaction's snapshot, so the conflict is an error, not a no-op.
-            Err(err) if has_sqlstate(&err, SERIALIZATION_FAILURE) => {
+        let mut attempts = 0;
+        let mut tx = loop {
+            let mut tx = self.pool.begin().await.map_err(db_error)?;
+            // Waits only if another transaction inserted the same ID and has not ended yet.
+            // Sent over the simple protocol (no prepared statement: see `crate::store::sql`).
+            let recorded = match sqlx::raw_sql(AssertSqlSafe(record.as_str()))
+                .fetch_one(&mut *tx)
+                .await
+            {
+                Ok(row) => row.try_get::<bool, _>("recorded").map_err(db_error)?,
+                // Repeatable read or serializable: a delivery of the same message committed
+                // after this transaction's snapshot, so the conflict is an error, not a no-op.
+                Err(err) if has_sqlstate(&err, SERIALIZATION_FAILURE) => {
+                    tx.rollback().await.map_err(db_error)?;
+                    return self.duplicate_or(consumer, message_id, err).await;
+                }
+                Err(err) => return Err(db_error(err).into()),
+            };
+            if !recorded && !take_over_an_expired_claim(&mut tx, consumer, message_id).await? {
                 tx.rollback().await.map_err(db_error)?;
-                return self.duplicate_or(consumer, message_id, err).await;
+                return Ok(Delivery::Duplicate);
             }
-            Err(err) => return Err(db_error(err).into()),
+            let Some((key, position)) = order else {
+                break tx;
+            };
+            match order::advance(&mut tx, consumer, key, position).await? {
+                order::Advance::Moved => break tx,
+                // Recorded as processed: a redelivery is a duplicate.
+                order::Advance::Stale => {
+                    tx.commit().await.map_err(db_error)?;
+                    return Ok(Delivery::Processed(Ordered::Stale));
+                }
+                order::Advance::Raced if attempts + 1 < order::ADVANCE_ATTEMPTS => {
+                    attempts += 1;
+                    tx.rollback().await.map_err(db_error)?;
+                }
+                order::Advance::Raced => return Err(InboxError::Store(order::raced())),
+            }
         };
-        if !recorded && !take_over_an_expired_claim(&mut tx, consumer, message_id).await? {
-            tx.rollback().await.map_err(db_error)?;
-            return Ok(Delivery::Duplicate);
-        }
         // On error the transaction is dropped, which rolls it back.
         let out = work(&mut tx).await.map_err(InboxError::Work)?;
         // A COMMIT in an aborted transaction rolls back and still succeeds (with the tag
@@ -387,7 +427,7 @@ impl Inbox {
         // round trip; sending it together with the COMMIT would mean a COMMIT behind the
         // back of sqlx's transaction bookkeeping.
         commit_unless_aborted(tx, consumer, message_id).await?;
-        Ok(Delivery::Processed(out))
+        Ok(Delivery::Processed(Ordered::Applied(out)))
     }
 
     /// After a serialization failure on the insert of the ID: [`Delivery::Duplicate`] when

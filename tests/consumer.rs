@@ -358,3 +358,91 @@ async fn a_database_failure_is_retried_and_not_counted() {
     fresh.close().await;
     schema.drop_schema().await;
 }
+
+/// `Consumer::process`: the same outcomes in one commit (no lease), for work that stays in
+/// the database.
+#[tokio::test]
+async fn process_applies_in_one_commit_with_the_same_outcomes() {
+    let (schema, inbox) = setup().await;
+    let consumer = consumer(&inbox);
+    let process = async |id: &str, position: i64, fail: bool| {
+        consumer
+            .process(
+                &Message::new(Some(id))
+                    .ordered("acct", position)
+                    .payload(b"p"),
+                async |c: &mut PgConnection| {
+                    let applied = apply(c, "acct", position)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    if fail {
+                        return Err("the ledger refused".to_owned());
+                    }
+                    Ok(applied)
+                },
+            )
+            .await
+    };
+    assert_eq!(process("m1", 1, false).await, Outcome::Processed(1));
+    assert_eq!(process("m1", 1, false).await, Outcome::Duplicate);
+    assert_eq!(process("m2", 1, false).await, Outcome::Stale);
+    assert_eq!(process("m2", 1, false).await, Outcome::Duplicate);
+    for attempts in 1..=2 {
+        let failed = process("bad", 5, true).await;
+        assert!(
+            matches!(failed, Outcome::Failed { attempts: a, .. } if a == attempts),
+            "{failed:?}"
+        );
+    }
+    assert_eq!(
+        process("bad", 5, true).await,
+        Outcome::Parked {
+            attempts: 3,
+            reason: "the ledger refused".into()
+        }
+    );
+    assert_eq!(process("bad", 5, false).await, Outcome::Duplicate);
+    assert_eq!(applied(&inbox).await, [1]);
+    assert_eq!(consumer.position("acct").await.unwrap(), Some(1));
+    assert_eq!(inbox.dead_letters("charges", 10).await.unwrap().len(), 1);
+
+    // Ten at once: one applies, the others wait for its commit and are duplicates.
+    let outcomes = futures_join((0..10).map(|_| process("m3", 2, false)).collect::<Vec<_>>()).await;
+    let processed = outcomes
+        .iter()
+        .filter(|o| matches!(o, Outcome::Processed(_)))
+        .count();
+    assert_eq!(processed, 1, "{outcomes:?}");
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, Outcome::Processed(_) | Outcome::Duplicate)),
+        "{outcomes:?}"
+    );
+    assert_eq!(applied(&inbox).await, [1, 2]);
+    done(schema, inbox).await;
+}
+
+/// Runs the futures at once on this task.
+async fn futures_join<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut pending: Vec<_> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut done = true;
+        for (f, out) in pending.iter_mut().zip(outputs.iter_mut()) {
+            if out.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(o) => *out = Some(o),
+                    std::task::Poll::Pending => done = false,
+                }
+            }
+        }
+        if done {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    outputs.into_iter().flatten().collect()
+}

@@ -8,8 +8,9 @@ use std::time::Duration;
 use sqlx::PgConnection;
 use tracing::Instrument;
 
-use super::dead::{bounded, park, record_failure};
-use super::{Claim, Inbox, InboxError, MAX_MESSAGE_ID, MessageLease, Ordered};
+use super::dead::{bounded, park, park_unclaimed, record_failure};
+use super::delivery::{Message, Outcome};
+use super::{Claim, Delivery, Inbox, InboxError, MAX_MESSAGE_ID, MessageLease, Ordered};
 use crate::error::{ConfigError, StoreError};
 
 /// The longest consumer name, in bytes.
@@ -19,7 +20,9 @@ const MAX_CONSUMER_NAME: usize = 200;
 /// failed attempts park a message, and the delay before a failed one is delivered again.
 /// Cheap to clone.
 ///
-/// [`deliver`](Consumer::deliver) takes one delivery through the whole pattern:
+/// [`deliver`](Consumer::deliver) takes one delivery of work that calls out through the
+/// whole pattern ([`process`](Consumer::process) does the same in one commit for work that
+/// stays in the database):
 ///
 /// 1. a delivery without a usable ID is [`Outcome::Rejected`];
 /// 2. the ID is claimed with a lease, committed at once: an ID processed before is
@@ -50,147 +53,6 @@ pub struct Consumer {
     first_retry: Duration,
     max_retry: Duration,
     system: &'static str,
-}
-
-/// One delivery of a message, as [`Consumer::deliver`] needs it.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Message<'a> {
-    id: Option<&'a str>,
-    order: Option<(&'a str, i64)>,
-    payload: Option<&'a [u8]>,
-    redelivered: bool,
-    destination: Option<&'a str>,
-}
-
-impl<'a> Message<'a> {
-    /// A delivery of the message with this ID (`None`: it came without one, and is
-    /// [`Outcome::Rejected`]). Choose the ID the producer sets once per logical message and
-    /// keeps on every retry (`Nats-Msg-Id`, AMQP `message_id`), not one the broker assigns
-    /// per publish.
-    pub fn new(id: Option<&'a str>) -> Self {
-        Self {
-            id,
-            ..Self::default()
-        }
-    }
-
-    /// The message is at `position` of the ordering key `key` (an account and the
-    /// producer's sequence for it, say): applied only past the key's last applied position,
-    /// which moves in the same commit.
-    #[must_use]
-    pub fn ordered(mut self, key: &'a str, position: i64) -> Self {
-        self.order = Some((key, position));
-        self
-    }
-
-    /// The payload to keep with the message if it is parked.
-    #[must_use]
-    pub fn payload(mut self, payload: &'a [u8]) -> Self {
-        self.payload = Some(payload);
-        self
-    }
-
-    /// Whether the broker says it delivered the message before (JetStream: a delivery count
-    /// above one; AMQP: `redelivered`). Only a hint, counted in the metrics: the inbox, not
-    /// the flag, decides what is a duplicate.
-    #[must_use]
-    pub fn redelivered(mut self, redelivered: bool) -> Self {
-        self.redelivered = redelivered;
-        self
-    }
-
-    /// The subject, queue or topic the message came from, for the tracing span.
-    #[must_use]
-    pub fn destination(mut self, destination: &'a str) -> Self {
-        self.destination = Some(destination);
-        self
-    }
-}
-
-/// What [`Consumer::deliver`] did with a delivery; [`settle`](Outcome::settle) says what to
-/// tell the broker.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[must_use]
-pub enum Outcome<T> {
-    /// A new message: its work ran and committed with its ID (and its position).
-    Processed(T),
-    /// The message was processed (or parked) before: nothing ran.
-    Duplicate,
-    /// The message is at or below its key's applied position: recorded as processed, its
-    /// work did not run.
-    Stale,
-    /// The message's work failed as often as the consumer allows: recorded as processed and
-    /// kept as a dead letter ([`Inbox::dead_letters`]) with `reason`; never applied.
-    Parked {
-        /// How many attempts failed.
-        attempts: u32,
-        /// The last attempt's reason.
-        reason: String,
-    },
-    /// The delivery cannot be a message: no ID, an unusable ID or ordering key, or a payload
-    /// the application refused ([`Consumer::reject`]). Nothing is recorded.
-    Rejected {
-        /// Why.
-        reason: String,
-    },
-    /// This attempt failed and nothing committed; the message should be delivered again
-    /// after `retry_after`.
-    Failed {
-        /// Failed attempts of the message's work so far; zero when the work did not fail
-        /// (the database failed, or the lease was lost to another worker).
-        attempts: u32,
-        /// Why.
-        reason: String,
-        /// The backoff before the next delivery.
-        retry_after: Duration,
-    },
-    /// Another worker holds the message under a lease that has not run out: nothing ran;
-    /// deliver it again after `retry_after`.
-    InProgress {
-        /// How long until the other worker's lease runs out.
-        retry_after: Duration,
-    },
-}
-
-/// What to tell the broker about a delivery ([`Outcome::settle`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Settle {
-    /// Acknowledge: the message is done with (processed, a duplicate, stale, or parked).
-    Ack,
-    /// Do not acknowledge; deliver it again after this long (JetStream: `nak` with the
-    /// delay; RabbitMQ: reject with requeue after the delay).
-    Retry(Duration),
-    /// Acknowledge so that it is never delivered again (JetStream: `term`; RabbitMQ: reject
-    /// without requeue, to a dead-letter exchange if one is set).
-    Reject,
-}
-
-impl<T> Outcome<T> {
-    /// The result's name, as in the metrics and the span: `processed`, `duplicate`, `stale`,
-    /// `parked`, `rejected`, or `failed` (for [`Outcome::Failed`] and
-    /// [`Outcome::InProgress`]: both are redelivered).
-    pub fn result(&self) -> &'static str {
-        match self {
-            Self::Processed(_) => "processed",
-            Self::Duplicate => "duplicate",
-            Self::Stale => "stale",
-            Self::Parked { .. } => "parked",
-            Self::Rejected { .. } => "rejected",
-            Self::Failed { .. } | Self::InProgress { .. } => "failed",
-        }
-    }
-
-    /// What to tell the broker. Settle after [`Consumer::deliver`] returns, never before:
-    /// the commit comes first.
-    pub fn settle(&self) -> Settle {
-        match self {
-            Self::Processed(_) | Self::Duplicate | Self::Stale | Self::Parked { .. } => Settle::Ack,
-            Self::Rejected { .. } => Settle::Reject,
-            Self::Failed { retry_after, .. } | Self::InProgress { retry_after } => {
-                Settle::Retry(*retry_after)
-            }
-        }
-    }
 }
 
 impl Consumer {
@@ -296,6 +158,54 @@ impl Consumer {
         outcome
     }
 
+    /// Takes one delivery whose work stays in the database through the pattern in **one
+    /// commit**: the ID recorded, the key's position moved (for an ordered message) and
+    /// `work`'s writes, in one transaction ([`Inbox::process`]), with the same outcomes,
+    /// counting and parking as [`deliver`](Self::deliver). No lease: a concurrent delivery of
+    /// the same message waits for this one's commit (at most the inbox's lock timeout) and is
+    /// then a `Duplicate`. Use [`deliver`](Self::deliver) when the work calls out.
+    ///
+    /// Never fails: every failure is an [`Outcome`].
+    pub async fn process<T, E, W>(&self, message: &Message<'_>, work: W) -> Outcome<T>
+    where
+        W: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        E: std::fmt::Display,
+    {
+        let span = self.span(message);
+        let outcome = self
+            .process_inner(message, work)
+            .instrument(span.clone())
+            .await;
+        span.in_scope(|| self.record(message, &outcome));
+        outcome
+    }
+
+    async fn process_inner<T, E, W>(&self, message: &Message<'_>, work: W) -> Outcome<T>
+    where
+        W: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        E: std::fmt::Display,
+    {
+        let id = match usable(message) {
+            Ok(id) => id,
+            Err(rejected) => return rejected,
+        };
+        match self
+            .inbox
+            .process_at(&self.name, id, message.order, work)
+            .await
+        {
+            Ok(Delivery::Processed(Ordered::Applied(out))) => Outcome::Processed(out),
+            Ok(Delivery::Processed(Ordered::Stale)) => Outcome::Stale,
+            Ok(Delivery::Duplicate) => Outcome::Duplicate,
+            Err(InboxError::InProgress { retry_after }) => Outcome::InProgress { retry_after },
+            Err(InboxError::Work(e)) => self.failed_unclaimed(message, id, &e.to_string()).await,
+            Err(e @ InboxError::Aborted) => {
+                self.failed_unclaimed(message, id, &e.to_string()).await
+            }
+            Err(e) => self.unavailable(&e),
+        }
+    }
+
     /// Takes one delivery through the pattern (see [`Consumer`]): `remote` is the part of the
     /// work that leaves the database (a provider call, carrying a key derived from the
     /// message ID, since a takeover after a crash runs it again); it runs with no
@@ -335,17 +245,10 @@ impl Consumer {
         W: AsyncFnOnce(&mut PgConnection, P) -> Result<T, E>,
         E: std::fmt::Display,
     {
-        let Some(id) = message.id else {
-            return rejected("the message has no ID");
+        let id = match usable(message) {
+            Ok(id) => id,
+            Err(rejected) => return rejected,
         };
-        if id.is_empty() || id.len() > MAX_MESSAGE_ID {
-            return rejected("message IDs must be 1 to 1024 bytes long");
-        }
-        if let Some((key, _)) = message.order
-            && (key.is_empty() || key.len() > super::order::MAX_ORDER_KEY)
-        {
-            return rejected("ordering keys must be 1 to 1024 bytes long");
-        }
         let lease = match self.inbox.claim::<E>(&self.name, id, self.lease).await {
             Ok(Claim::Acquired(lease)) => lease,
             Ok(Claim::Duplicate) => return Outcome::Duplicate,
@@ -392,6 +295,34 @@ impl Consumer {
         }
     }
 
+    /// Counts a failed attempt of the work of a message nobody holds (its transaction rolled
+    /// back), and parks it at the limit.
+    async fn failed_unclaimed<T>(
+        &self,
+        message: &Message<'_>,
+        id: &str,
+        reason: &str,
+    ) -> Outcome<T> {
+        let attempts = match record_failure(&self.inbox, &self.name, id, reason).await {
+            Ok(attempts) => attempts,
+            Err(e) => return self.unavailable(&InboxError::<()>::Store(e)),
+        };
+        let reason = bounded(reason).to_owned();
+        if attempts >= self.max_failures {
+            return match park_unclaimed(&self.inbox, &self.name, id, message.payload).await {
+                Ok(true) => Outcome::Parked { attempts, reason },
+                // Another delivery recorded it meanwhile: that one's outcome stands.
+                Ok(false) => Outcome::Duplicate,
+                Err(e) => self.unavailable(&InboxError::<()>::Store(e)),
+            };
+        }
+        Outcome::Failed {
+            attempts,
+            reason,
+            retry_after: self.backoff(attempts),
+        }
+    }
+
     /// Counts a failed attempt of the leased message's work, and parks it at the limit or
     /// releases it for the next delivery.
     async fn failed<T>(
@@ -400,10 +331,11 @@ impl Consumer {
         message: &Message<'_>,
         reason: &str,
     ) -> Outcome<T> {
-        let attempts = match record_failure(&self.inbox, &lease, reason).await {
-            Ok(attempts) => attempts,
-            Err(e) => return self.unavailable(&InboxError::<()>::Store(e)),
-        };
+        let attempts =
+            match record_failure(&self.inbox, &self.name, lease.message_id(), reason).await {
+                Ok(attempts) => attempts,
+                Err(e) => return self.unavailable(&InboxError::<()>::Store(e)),
+            };
         let reason = bounded(reason).to_owned();
         if attempts >= self.max_failures {
             return match park::<()>(lease, message.payload).await {
@@ -501,6 +433,22 @@ impl Consumer {
         #[cfg(not(feature = "metrics"))]
         let _ = message;
     }
+}
+
+/// The message's ID, or the outcome of a delivery that cannot be a message.
+fn usable<'a, T>(message: &Message<'a>) -> Result<&'a str, Outcome<T>> {
+    let Some(id) = message.id else {
+        return Err(rejected("the message has no ID"));
+    };
+    if id.is_empty() || id.len() > MAX_MESSAGE_ID {
+        return Err(rejected("message IDs must be 1 to 1024 bytes long"));
+    }
+    if let Some((key, _)) = message.order
+        && (key.is_empty() || key.len() > super::order::MAX_ORDER_KEY)
+    {
+        return Err(rejected("ordering keys must be 1 to 1024 bytes long"));
+    }
+    Ok(id)
 }
 
 fn rejected<T>(reason: &str) -> Outcome<T> {

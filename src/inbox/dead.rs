@@ -29,6 +29,13 @@ ON CONFLICT (consumer, message_id) DO UPDATE
        last_failed_at = tower_idempotency_now()
 RETURNING attempts";
 
+/// Records a parked message's ID as processed, unless it is recorded.
+const RECORD_PARKED: &str = "
+INSERT INTO tower_idempotency_processed_messages (consumer, message_id)
+VALUES ($1, $2)
+ON CONFLICT (consumer, message_id) DO NOTHING
+RETURNING true AS recorded";
+
 /// Parks the message, in the transaction that records it as processed.
 const PARK: &str = "
 UPDATE tower_idempotency_message_failures
@@ -72,17 +79,18 @@ pub(super) fn bounded(reason: &str) -> &str {
     &reason[..end]
 }
 
-/// Counts a failed attempt of the leased message's work; returns the attempts so far.
+/// Counts a failed attempt of the message's work; returns the attempts so far.
 pub(super) async fn record_failure(
     inbox: &Inbox,
-    lease: &MessageLease,
+    consumer: &str,
+    message_id: &str,
     reason: &str,
 ) -> Result<u32, StoreError> {
     let sql = fill(
         FAIL,
         &[
-            Lit::Text(lease.consumer()),
-            Lit::Text(lease.message_id()),
+            Lit::Text(consumer),
+            Lit::Text(message_id),
             Lit::Text(bounded(reason)),
         ],
     )?;
@@ -92,6 +100,39 @@ pub(super) async fn record_failure(
         .map_err(db_error)?;
     let attempts: i32 = row.try_get("attempts").map_err(db_error)?;
     Ok(attempts.unsigned_abs())
+}
+
+/// Parks a message nobody holds: records its ID as processed and its failure row as parked,
+/// in one commit. `false` when the ID was recorded meanwhile (another delivery processed or
+/// claimed it): nothing is parked.
+pub(super) async fn park_unclaimed(
+    inbox: &Inbox,
+    consumer: &str,
+    message_id: &str,
+    payload: Option<&[u8]>,
+) -> Result<bool, StoreError> {
+    let mut tx = inbox.pool.begin().await.map_err(db_error)?;
+    let recorded = sqlx::query(RECORD_PARKED)
+        .bind(consumer)
+        .bind(message_id)
+        .persistent(false)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error)?;
+    if recorded.is_none() {
+        tx.rollback().await.map_err(db_error)?;
+        return Ok(false);
+    }
+    sqlx::query(PARK)
+        .bind(consumer)
+        .bind(message_id)
+        .bind(payload)
+        .persistent(false)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error)?;
+    tx.commit().await.map_err(db_error)?;
+    Ok(true)
 }
 
 /// Parks the leased message: records it as processed and its failure row as parked, with
