@@ -188,9 +188,11 @@ async fn run() -> Result<(), Error> {
             name: config.stream.clone(),
             subjects: vec![format!("{}.>", config.stream.to_lowercase())],
             storage: StorageType::File,
-            // The stream's own deduplication by `Nats-Msg-Id` is kept short, so that what
-            // this example shows is the inbox's: it holds the IDs for as long as it is told
-            // to, not two minutes.
+            // The stream's own deduplication by `Nats-Msg-Id` is kept to the shortest window
+            // the server accepts (100 ms), so that a republished message reaches the consumer
+            // and what this example shows is the inbox's deduplication: it holds the IDs for
+            // as long as it is told to, where the stream's default two minutes would hide a
+            // republish within them and miss one after.
             duplicate_window: Duration::from_millis(100),
             ..Default::default()
         })

@@ -308,7 +308,7 @@ for level in "repeatable read" "serializable"; do
     echo "scripts/test.sh: the Postgres suites again at default_transaction_isolation = $level" >&2
     TI_ISOLATION="$level" cargo test --all-features \
         --test behaviour --test transactional --test postgres --test inbox --test model \
-        --test cancellation --test round_trips --test payments_e2e --test scope --test consumer \
+        --test cancellation --test round_trips --test payments_e2e --test scope --test consumer --test inbox_daily \
         --test connection_loss --test stalls --test wait --test phased --test jetstream_e2e
 done
 
