@@ -15,6 +15,10 @@
 //! - `id-by-hand`: the least an ID can cost: one prepared `INSERT … ON CONFLICT DO NOTHING`
 //!   of it in the work's transaction, nothing else (no lock bound, no check that the work
 //!   left the transaction usable);
+//! - `id-checked`: `id-by-hand` and the check before the commit that `Inbox::process` makes
+//!   (an `EXISTS` on the ID: that the work left the transaction usable);
+//! - `id-function`: `id-by-hand` with the ID inserted through the function `Inbox::process`
+//!   calls (`tower_idempotency_record_message`, with its lock bound) instead;
 //! - `process`: `Inbox::process`, the ID inserted in the work's transaction (one commit);
 //! - `in-order`: `Inbox::process_in_order`, the account's position moved in the work's
 //!   transaction instead of an ID (one commit, one row per account);
@@ -40,9 +44,11 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tower_idempotency::inbox::{Consumer, Inbox, Message, Outcome};
 
-const WAYS: [&str; 7] = [
+const WAYS: [&str; 9] = [
     "none",
     "id-by-hand",
+    "id-checked",
+    "id-function",
     "process",
     "in-order",
     "consumer-process",
@@ -111,17 +117,40 @@ async fn consume(
             work(&mut tx, account, 1).await.unwrap();
             tx.commit().await.unwrap();
         }
-        "id-by-hand" => {
+        "id-by-hand" | "id-checked" | "id-function" => {
             let mut tx = pool.begin().await.unwrap();
-            sqlx::query(
-                "INSERT INTO tower_idempotency_processed_messages (consumer, message_id)
-                 VALUES ('bench-by-hand', $1) ON CONFLICT DO NOTHING",
-            )
-            .bind(id)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
+            if way == "id-function" {
+                sqlx::query("SELECT tower_idempotency_record_message($1, $2, 5000)")
+                    .bind(consumer.name())
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+            } else {
+                sqlx::query(
+                    "INSERT INTO tower_idempotency_processed_messages (consumer, message_id)
+                     VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                )
+                .bind(consumer.name())
+                .bind(id)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            }
             work(&mut tx, account, 1).await.unwrap();
+            if way == "id-checked" {
+                let recorded: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM tower_idempotency_processed_messages
+                                     WHERE consumer = $1 AND message_id = $2)",
+                )
+                .bind(consumer.name())
+                .bind(id)
+                .persistent(false)
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+                assert!(recorded);
+            }
             tx.commit().await.unwrap();
         }
         "process" => {

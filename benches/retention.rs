@@ -85,69 +85,65 @@ async fn size(pool: &PgPool, table: &str) -> String {
     .unwrap()
 }
 
-/// Deliveries of new IDs by `workers` tasks until `stop`; counted in `done`.
-fn load(
-    plain: Inbox,
-    daily: DailyInbox,
-    use_daily: bool,
-    workers: usize,
+/// Deliveries of new IDs by a few tasks, to one layout, until stopped.
+struct Load {
     stop: Arc<AtomicBool>,
     done: Arc<AtomicU64>,
-    tag: &'static str,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    (0..workers)
-        .map(|w| {
-            let (plain, daily, stop, done) =
-                (plain.clone(), daily.clone(), stop.clone(), done.clone());
-            tokio::spawn(async move {
-                let mut n = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    n += 1;
-                    let id = format!("{tag}-{w}-{n}");
-                    let work = async |_: &mut PgConnection| Ok::<_, sqlx::Error>(());
-                    if use_daily {
-                        let _ = daily
-                            .process("bench", &id, SystemTime::now(), work)
-                            .await
-                            .unwrap();
-                    } else {
-                        let _ = plain.process("bench", &id, work).await.unwrap();
-                    }
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-        })
-        .collect()
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    started: Instant,
 }
 
-/// Deliveries per second for `seconds` with nothing else running.
-async fn baseline(
-    plain: &Inbox,
-    daily: &DailyInbox,
-    use_daily: bool,
-    args: &Args,
-    tag: &'static str,
-) -> f64 {
-    let (stop, done) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-    );
-    let tasks = load(
-        plain.clone(),
-        daily.clone(),
-        use_daily,
-        args.workers,
-        stop.clone(),
-        done.clone(),
-        tag,
-    );
-    let started = Instant::now();
-    tokio::time::sleep(Duration::from_secs(args.seconds)).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.unwrap();
+impl Load {
+    fn start(
+        plain: &Inbox,
+        daily: &DailyInbox,
+        use_daily: bool,
+        workers: usize,
+        tag: &str,
+    ) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicU64::new(0));
+        let tasks = (0..workers)
+            .map(|w| {
+                let (plain, daily, stop, done) =
+                    (plain.clone(), daily.clone(), stop.clone(), done.clone());
+                let tag = tag.to_owned();
+                tokio::spawn(async move {
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        n += 1;
+                        let id = format!("{tag}-{w}-{n}");
+                        let work = async |_: &mut PgConnection| Ok::<_, sqlx::Error>(());
+                        if use_daily {
+                            let _ = daily
+                                .process("bench", &id, SystemTime::now(), work)
+                                .await
+                                .unwrap();
+                        } else {
+                            let _ = plain.process("bench", &id, work).await.unwrap();
+                        }
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            done,
+            tasks,
+            started: Instant::now(),
+        }
     }
-    done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64()
+
+    /// Stops the load; its deliveries per second.
+    async fn stop(self) -> f64 {
+        self.stop.store(true, Ordering::Relaxed);
+        let secs = self.started.elapsed().as_secs_f64();
+        for t in self.tasks {
+            t.await.unwrap();
+        }
+        self.done.load(Ordering::Relaxed) as f64 / secs
+    }
 }
 
 #[tokio::main]
@@ -215,57 +211,37 @@ async fn main() {
         "removal of the oldest day", "took", "WAL", "size after", "deliveries/s", "before"
     );
     for use_daily in [false, true] {
-        let before = baseline(
+        let layout = if use_daily { "daily" } else { "plain" };
+        let load = Load::start(
             &plain,
             &daily,
             use_daily,
-            &args,
-            if use_daily {
-                "daily-base"
-            } else {
-                "plain-base"
-            },
-        )
-        .await;
-        let (stop, done) = (
-            Arc::new(AtomicBool::new(false)),
-            Arc::new(AtomicU64::new(0)),
+            args.workers,
+            &format!("{layout}-base"),
         );
-        let tag = if use_daily {
-            "daily-during"
-        } else {
-            "plain-during"
-        };
-        let tasks = load(
-            plain.clone(),
-            daily.clone(),
+        tokio::time::sleep(Duration::from_secs(args.seconds)).await;
+        let before = load.stop().await;
+        let load = Load::start(
+            &plain,
+            &daily,
             use_daily,
             args.workers,
-            stop.clone(),
-            done.clone(),
-            tag,
+            &format!("{layout}-during"),
         );
         let wal_before = wal(&pool).await;
         let started = Instant::now();
+        let retention = DAY * u32::try_from(args.days - 1).unwrap();
         let what = if use_daily {
-            let shorter =
-                DailyInbox::new(pool.clone(), DAY * u32::try_from(args.days - 1).unwrap()).unwrap();
+            let shorter = DailyInbox::new(pool.clone(), retention).unwrap();
             let m = shorter.maintain().await.unwrap();
             format!("daily: drop {} partition", m.dropped.len())
         } else {
-            let n = plain
-                .purge_older_than(DAY * u32::try_from(args.days - 1).unwrap(), args.batch)
-                .await
-                .unwrap();
+            let n = plain.purge_older_than(retention, args.batch).await.unwrap();
             format!("plain: purge {n} IDs")
         };
         let took = started.elapsed();
         let wal_after = wal(&pool).await;
-        stop.store(true, Ordering::Relaxed);
-        for t in tasks {
-            t.await.unwrap();
-        }
-        let during = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+        let during = load.stop().await;
         let table = if use_daily {
             "tower_idempotency_processed_messages_daily"
         } else {

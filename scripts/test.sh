@@ -230,12 +230,10 @@ ensure_redis
 echo "scripts/test.sh: Redis tests use $REDIS_URL and the cluster at $TI_REDIS_CLUSTER_URLS" >&2
 
 ensure_nats() {
-    local nats="${NATS_URL:-nats://127.0.0.1:4222}" rest host port dir
-    rest="${nats#*://}"
-    rest="${rest#*@}"
-    host="${rest%%:*}"
-    port=4222
-    [[ "$rest" == *:* ]] && port="${rest##*:}"
+    local nats="${NATS_URL:-nats://127.0.0.1:4222}" host port dir
+    read -r host port < <(host_port "$nats")
+    # host_port defaults to Postgres's port; NATS's is 4222.
+    [[ "${nats#*://}" =~ ^([^@/]*@)?[^:/]+:[0-9]+ ]] || port=4222
     if ! port_open "$host" "$port"; then
         [[ -n "${NATS_URL:-}" ]] && die "NATS_URL=$NATS_URL does not answer. Start that server (with JetStream:
 nats-server -js), or unset NATS_URL to let this script start a local one."

@@ -400,21 +400,17 @@ impl Inbox {
                 tx.rollback().await.map_err(db_error)?;
                 return Ok(Delivery::Duplicate);
             }
-            let Some((key, position)) = order else {
+            let Some(order) = order else {
                 break tx;
             };
-            match order::advance(&mut tx, consumer, key, position).await? {
-                order::Advance::Moved => break tx,
+            match order::advance_in(tx, consumer, order, &mut attempts).await? {
+                order::Moved::Go(tx) => break tx,
                 // Recorded as processed: a redelivery is a duplicate.
-                order::Advance::Stale => {
+                order::Moved::Stale(tx) => {
                     tx.commit().await.map_err(db_error)?;
                     return Ok(Delivery::Processed(Ordered::Stale));
                 }
-                order::Advance::Raced if attempts + 1 < order::ADVANCE_ATTEMPTS => {
-                    attempts += 1;
-                    tx.rollback().await.map_err(db_error)?;
-                }
-                order::Advance::Raced => return Err(InboxError::Store(order::raced())),
+                order::Moved::Again => {}
             }
         };
         // On error the transaction is dropped, which rolls it back.
@@ -466,7 +462,9 @@ impl Inbox {
     }
 
     /// Deletes the IDs processed more than `age` ago, at most `batch_size` per statement,
-    /// until none are left. Returns how many were deleted.
+    /// until none are left, and then the failure counts of messages last failed more than
+    /// `age` ago and not parked (a [`Consumer`]'s; dead letters are kept). Returns how many
+    /// IDs were deleted.
     ///
     /// # Errors
     ///
@@ -486,8 +484,10 @@ impl Inbox {
                 .map_err(db_error)?;
             deleted += done.rows_affected();
             if done.rows_affected() < batch.unsigned_abs() {
-                return Ok(deleted);
+                break;
             }
         }
+        dead::purge_failures(self, millis(age), batch).await?;
+        Ok(deleted)
     }
 }

@@ -407,7 +407,7 @@ async fn process_applies_in_one_commit_with_the_same_outcomes() {
     assert_eq!(inbox.dead_letters("charges", 10).await.unwrap().len(), 1);
 
     // Ten at once: one applies, the others wait for its commit and are duplicates.
-    let outcomes = futures_join((0..10).map(|_| process("m3", 2, false)).collect::<Vec<_>>()).await;
+    let outcomes = futures_util::future::join_all((0..10).map(|_| process("m3", 2, false))).await;
     let processed = outcomes
         .iter()
         .filter(|o| matches!(o, Outcome::Processed(_)))
@@ -423,26 +423,34 @@ async fn process_applies_in_one_commit_with_the_same_outcomes() {
     done(schema, inbox).await;
 }
 
-/// Runs the futures at once on this task.
-async fn futures_join<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
-    let mut pending: Vec<_> = futures.into_iter().map(Box::pin).collect();
-    let mut outputs: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut done = true;
-        for (f, out) in pending.iter_mut().zip(outputs.iter_mut()) {
-            if out.is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(o) => *out = Some(o),
-                    std::task::Poll::Pending => done = false,
-                }
-            }
-        }
-        if done {
-            std::task::Poll::Ready(())
-        } else {
-            std::task::Poll::Pending
-        }
-    })
-    .await;
-    outputs.into_iter().flatten().collect()
+/// A purge drops the failure counts of messages not parked, and keeps the dead letters.
+#[tokio::test]
+async fn a_purge_drops_old_failure_counts_and_keeps_dead_letters() {
+    let (schema, inbox) = setup().await;
+    let consumer = consumer(&inbox);
+    let fail = async |id: &str| {
+        consumer
+            .process(&Message::new(Some(id)), async |_: &mut PgConnection| {
+                Err::<(), _>("refused")
+            })
+            .await
+    };
+    let _ = fail("transient").await;
+    for _ in 0..3 {
+        let _ = fail("poison").await;
+    }
+    let counts = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM tower_idempotency_message_failures")
+            .fetch_one(inbox.pool())
+            .await
+            .unwrap()
+    };
+    assert_eq!(counts().await, 2);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    inbox.purge_older_than(Duration::ZERO, 1).await.unwrap();
+    assert_eq!(counts().await, 1);
+    let dead = inbox.dead_letters("charges", 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message_id, "poison");
+    done(schema, inbox).await;
 }

@@ -15,16 +15,21 @@ use tracing::span::{Attributes, Id, Record};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 
-/// Every span's name and fields, by span.
+/// A span's name and fields.
+type Seen = (String, HashMap<String, String>);
+
+/// Every span's name and fields, in the order they were opened.
 #[derive(Clone, Default)]
-struct Spans(Arc<Mutex<Vec<(String, HashMap<String, String>)>>>);
+struct Spans(Arc<Mutex<Vec<Seen>>>);
 
 struct Fields<'a>(&'a mut HashMap<String, String>);
 
 impl Visit for Fields<'_> {
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        self.0
-            .insert(field.name().to_owned(), format!("{value:?}").trim_matches('"').to_owned());
+        self.0.insert(
+            field.name().to_owned(),
+            format!("{value:?}").trim_matches('"').to_owned(),
+        );
     }
     fn record_str(&mut self, field: &Field, value: &str) {
         self.0.insert(field.name().to_owned(), value.to_owned());
@@ -51,7 +56,8 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Spans {
 #[tokio::test(flavor = "current_thread")]
 async fn each_delivery_has_a_process_span_with_the_messaging_attributes_and_its_result() {
     let spans = Spans::default();
-    let _guard = tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
     let schema = PgSchema::new().await;
     let inbox = Inbox::new(schema.pool(4).await);
     inbox.migrate().await.unwrap();
@@ -88,7 +94,11 @@ async fn each_delivery_has_a_process_span_with_the_messaging_attributes_and_its_
             ("messaging.message.id", "m-1"),
             ("tower_idempotency.result", result),
         ] {
-            assert_eq!(fields.get(name).map(String::as_str), Some(value), "{name}: {fields:?}");
+            assert_eq!(
+                fields.get(name).map(String::as_str),
+                Some(value),
+                "{name}: {fields:?}"
+            );
         }
     }
     inbox.pool().close().await;

@@ -513,3 +513,47 @@ async fn bad_settings_are_refused_with_their_name() {
         assert!(stderr.contains(var), "{var}: {stderr}");
     }
 }
+
+/// The producer half: a retried request republishes with the `Nats-Msg-Id` derived from its
+/// idempotency key. Within the stream's window the server drops the republish itself; after
+/// it, the consumer's inbox does. Either way the charge is applied once.
+#[tokio::test]
+async fn a_republish_with_the_derived_message_id_is_applied_once() {
+    use tower_idempotency::IdempotencyKey;
+    use tower_idempotency::message_id::{MessageId, NATS_MSG_ID};
+
+    let fx = Fixture::new().await;
+    let ex = Example::start(&fx.env(&[]));
+    let key = IdempotencyKey::parse("order-7f3a").unwrap();
+    let id = MessageId::derive(&key, "charge").unwrap();
+    let body = json!({"account": "acme", "amount_cents": 40, "sequence": 1}).to_string();
+    let publish = async || {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(NATS_MSG_ID, id.as_str());
+        fx.js
+            .publish_with_headers(format!("{}.acme", fx.subject), headers, body.clone().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap()
+    };
+    let first = publish().await;
+    let again = publish().await;
+    assert!(!first.duplicate);
+    assert!(
+        again.duplicate,
+        "the stream drops a republish within its window"
+    );
+    wait_for_line(&[&ex], &format!("processed {id}")).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !publish().await.duplicate,
+        "past the window the stream keeps it"
+    );
+    wait_for_line(&[&ex], &format!("duplicate {id}")).await;
+    assert_eq!(
+        ex.account("acme").await,
+        json!({"account": "acme", "balance_cents": 40, "charges": 1, "last_sequence": 1})
+    );
+    fx.finish().await;
+}

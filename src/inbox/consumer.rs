@@ -171,11 +171,18 @@ impl Consumer {
         W: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
         E: std::fmt::Display,
     {
+        self.traced(message, self.process_inner(message, work))
+            .await
+    }
+
+    /// Runs a delivery's path in its span, and counts and records its outcome.
+    async fn traced<T>(
+        &self,
+        message: &Message<'_>,
+        path: impl Future<Output = Outcome<T>>,
+    ) -> Outcome<T> {
         let span = self.span(message);
-        let outcome = self
-            .process_inner(message, work)
-            .instrument(span.clone())
-            .await;
+        let outcome = path.instrument(span.clone()).await;
         span.in_scope(|| self.record(message, &outcome));
         outcome
     }
@@ -198,10 +205,8 @@ impl Consumer {
             Ok(Delivery::Processed(Ordered::Stale)) => Outcome::Stale,
             Ok(Delivery::Duplicate) => Outcome::Duplicate,
             Err(InboxError::InProgress { retry_after }) => Outcome::InProgress { retry_after },
-            Err(InboxError::Work(e)) => self.failed_unclaimed(message, id, &e.to_string()).await,
-            Err(e @ InboxError::Aborted) => {
-                self.failed_unclaimed(message, id, &e.to_string()).await
-            }
+            Err(InboxError::Work(e)) => self.failed(None, message, id, &e.to_string()).await,
+            Err(e @ InboxError::Aborted) => self.failed(None, message, id, &e.to_string()).await,
             Err(e) => self.unavailable(&e),
         }
     }
@@ -225,13 +230,8 @@ impl Consumer {
         W: AsyncFnOnce(&mut PgConnection, P) -> Result<T, E>,
         E: std::fmt::Display,
     {
-        let span = self.span(message);
-        let outcome = self
-            .deliver_inner(message, remote, work)
-            .instrument(span.clone())
-            .await;
-        span.in_scope(|| self.record(message, &outcome));
-        outcome
+        self.traced(message, self.deliver_inner(message, remote, work))
+            .await
     }
 
     async fn deliver_inner<P, T, E, R, W>(
@@ -277,7 +277,7 @@ impl Consumer {
         }
         let prepared = match keep_alive(&lease, remote()).await {
             Some(Ok(prepared)) => prepared,
-            Some(Err(e)) => return self.failed(lease, message, &e.to_string()).await,
+            Some(Err(e)) => return self.failed(Some(lease), message, id, &e.to_string()).await,
             None => return self.unavailable(&InboxError::<E>::LeaseLost),
         };
         let mut lease = lease;
@@ -289,16 +289,21 @@ impl Consumer {
         match committed {
             Ok(Ordered::Applied(out)) => Outcome::Processed(out),
             Ok(Ordered::Stale) => Outcome::Stale,
-            Err(InboxError::Work(e)) => self.failed(lease, message, &e.to_string()).await,
-            Err(e @ InboxError::Aborted) => self.failed(lease, message, &e.to_string()).await,
+            Err(InboxError::Work(e)) => self.failed(Some(lease), message, id, &e.to_string()).await,
+            Err(e @ InboxError::Aborted) => {
+                self.failed(Some(lease), message, id, &e.to_string()).await
+            }
             Err(e) => self.unavailable(&e),
         }
     }
 
-    /// Counts a failed attempt of the work of a message nobody holds (its transaction rolled
-    /// back), and parks it at the limit.
-    async fn failed_unclaimed<T>(
+    /// Counts a failed attempt of the message's work, and parks the message at the limit. With
+    /// `lease` (work that called out) the claim is parked, or released for the next delivery;
+    /// without one (the work's transaction rolled back and nobody holds the message) the ID is
+    /// recorded with the parking, unless another delivery recorded it meanwhile.
+    async fn failed<T>(
         &self,
+        lease: Option<MessageLease>,
         message: &Message<'_>,
         id: &str,
         reason: &str,
@@ -309,41 +314,22 @@ impl Consumer {
         };
         let reason = bounded(reason).to_owned();
         if attempts >= self.max_failures {
-            return match park_unclaimed(&self.inbox, &self.name, id, message.payload).await {
+            let parked = match lease {
+                Some(lease) => park::<()>(lease, message.payload).await.map(|()| true),
+                None => park_unclaimed(&self.inbox, &self.name, id, message.payload)
+                    .await
+                    .map_err(InboxError::Store),
+            };
+            return match parked {
                 Ok(true) => Outcome::Parked { attempts, reason },
                 // Another delivery recorded it meanwhile: that one's outcome stands.
                 Ok(false) => Outcome::Duplicate,
-                Err(e) => self.unavailable(&InboxError::<()>::Store(e)),
-            };
-        }
-        Outcome::Failed {
-            attempts,
-            reason,
-            retry_after: self.backoff(attempts),
-        }
-    }
-
-    /// Counts a failed attempt of the leased message's work, and parks it at the limit or
-    /// releases it for the next delivery.
-    async fn failed<T>(
-        &self,
-        lease: MessageLease,
-        message: &Message<'_>,
-        reason: &str,
-    ) -> Outcome<T> {
-        let attempts =
-            match record_failure(&self.inbox, &self.name, lease.message_id(), reason).await {
-                Ok(attempts) => attempts,
-                Err(e) => return self.unavailable(&InboxError::<()>::Store(e)),
-            };
-        let reason = bounded(reason).to_owned();
-        if attempts >= self.max_failures {
-            return match park::<()>(lease, message.payload).await {
-                Ok(()) => Outcome::Parked { attempts, reason },
                 Err(e) => self.unavailable(&e),
             };
         }
-        if let Err(e) = lease.release().await {
+        if let Some(lease) = lease
+            && let Err(e) = lease.release().await
+        {
             // The lease frees the message when it runs out; the redelivery waits for that.
             tracing::warn!(
                 error = &e as &dyn std::error::Error,
@@ -474,7 +460,8 @@ fn source_chain(e: &StoreError) -> String {
 /// Runs `work` while renewing `lease` every third of its length; `None` when the lease was
 /// lost (another worker took the message over), and the work is dropped.
 async fn keep_alive<F: Future>(lease: &MessageLease, work: F) -> Option<F::Output> {
-    let every = lease.lease() / 3;
+    // At least a millisecond: a lease of a few nanoseconds must not renew in a busy loop.
+    let every = (lease.lease() / 3).max(Duration::from_millis(1));
     let mut work = std::pin::pin!(work);
     let mut next = tokio::time::Instant::now() + every;
     loop {

@@ -42,6 +42,17 @@ UPDATE tower_idempotency_message_failures
    SET parked_at = tower_idempotency_now(), payload = $3
  WHERE consumer = $1 AND message_id = $2";
 
+/// Deletes up to `$2` failure counts last updated more than `$1` ms ago, of messages that
+/// were not parked (dead letters stay until someone removes them).
+const PURGE_FAILURES: &str = "
+DELETE FROM tower_idempotency_message_failures
+ WHERE ctid = ANY (ARRAY(
+       SELECT ctid FROM tower_idempotency_message_failures
+        WHERE parked_at IS NULL
+          AND last_failed_at < tower_idempotency_now() - $1::float8 * interval '1 millisecond'
+        LIMIT $2
+          FOR UPDATE SKIP LOCKED))";
+
 /// The consumer's parked messages, oldest first.
 const DEAD_LETTERS: &str = "
 SELECT message_id, attempts, reason, payload,
@@ -153,6 +164,27 @@ pub(super) async fn park<E>(
         .map_err(db_error)?;
     tx.commit().await.map_err(db_error)?;
     Ok(())
+}
+
+/// Deletes the failure counts of messages not parked and last failed more than `age_ms` ago,
+/// `batch` per statement; returns how many.
+pub(super) async fn purge_failures(
+    inbox: &Inbox,
+    age_ms: i64,
+    batch: i64,
+) -> Result<u64, StoreError> {
+    let mut deleted = 0;
+    loop {
+        let sql = fill(PURGE_FAILURES, &[Lit::Int(age_ms), Lit::Int(batch)])?;
+        let done = sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&inbox.pool)
+            .await
+            .map_err(db_error)?;
+        deleted += done.rows_affected();
+        if done.rows_affected() < batch.unsigned_abs() {
+            return Ok(deleted);
+        }
+    }
 }
 
 impl Inbox {

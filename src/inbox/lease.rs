@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
-use super::order::{ADVANCE_ATTEMPTS, Advance, advance, check_key, raced};
+use super::order::{Moved, advance_in, check_key};
 use super::{
     Inbox, InboxError, LOOK, MAX_MESSAGE_ID, Ordered, SERIALIZATION_FAILURE, commit_unless_aborted,
     has_sqlstate, lease_left,
@@ -250,6 +250,8 @@ impl MessageLease {
         self.end(Some((key, position)), work).await
     }
 
+    /// Commits, and ends the lease unless the commit failed otherwise than by losing it: then
+    /// the drop releases it in the background.
     async fn end<T, E, F>(
         mut self,
         order: Option<(&str, i64)>,
@@ -258,13 +260,7 @@ impl MessageLease {
     where
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
     {
-        let outcome = self.commit_inner(order, work).await;
-        match &outcome {
-            Ok(_) | Err(InboxError::LeaseLost) => self.ended = true,
-            // Dropped: released in the background.
-            Err(_) => {}
-        }
-        outcome
+        self.commit_keeping(order, work).await
     }
 
     async fn commit_inner<T, E, F>(
@@ -277,22 +273,19 @@ impl MessageLease {
     {
         let mut attempts = 0;
         let mut tx = loop {
-            let mut tx = self.finish().await?;
-            let Some((key, position)) = order else {
+            let tx = self.finish().await?;
+            let Some(order) = order else {
                 break tx;
             };
-            match advance(&mut tx, &self.consumer, key, position).await? {
-                Advance::Moved => break tx,
-                Advance::Stale => {
+            // A lost race rolls the finish back with it: the claim is still held.
+            match advance_in(tx, &self.consumer, order, &mut attempts).await? {
+                Moved::Go(tx) => break tx,
+                // Recorded as processed: a redelivery is a duplicate.
+                Moved::Stale(tx) => {
                     tx.commit().await.map_err(db_error)?;
                     return Ok(Ordered::Stale);
                 }
-                // The claim is still held: its finish rolls back with the transaction.
-                Advance::Raced if attempts + 1 < ADVANCE_ATTEMPTS => {
-                    attempts += 1;
-                    tx.rollback().await.map_err(db_error)?;
-                }
-                Advance::Raced => return Err(InboxError::Store(raced())),
+                Moved::Again => {}
             }
         };
         let out = work(&mut tx).await.map_err(InboxError::Work)?;

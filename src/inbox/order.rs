@@ -58,6 +58,37 @@ const STILL_ADVANCED: &str = "
 SELECT EXISTS (SELECT 1 FROM tower_idempotency_positions
                 WHERE consumer = $1 AND key = $2 AND position = $3)";
 
+/// What [`advance_in`] found.
+pub(super) enum Moved {
+    /// The position moved: go on with the work in the transaction.
+    Go(sqlx::Transaction<'static, sqlx::Postgres>),
+    /// The message is stale: the transaction is left to the caller (to commit what it
+    /// recorded before, or roll back).
+    Stale(sqlx::Transaction<'static, sqlx::Postgres>),
+    /// A race lost under `REPEATABLE READ` or `SERIALIZABLE`: rolled back; begin again.
+    Again,
+}
+
+/// Moves the key's position in `tx` ([`advance`]), counting lost races in `attempts` and
+/// failing after [`ADVANCE_ATTEMPTS`] of them.
+pub(super) async fn advance_in<E>(
+    mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    consumer: &str,
+    (key, position): (&str, i64),
+    attempts: &mut usize,
+) -> Result<Moved, InboxError<E>> {
+    match advance(&mut tx, consumer, key, position).await? {
+        Advance::Moved => Ok(Moved::Go(tx)),
+        Advance::Stale => Ok(Moved::Stale(tx)),
+        Advance::Raced if *attempts + 1 < ADVANCE_ATTEMPTS => {
+            *attempts += 1;
+            tx.rollback().await.map_err(db_error)?;
+            Ok(Moved::Again)
+        }
+        Advance::Raced => Err(InboxError::Store(raced())),
+    }
+}
+
 /// The error after [`ADVANCE_ATTEMPTS`] lost races.
 pub(super) fn raced() -> StoreError {
     StoreError::backend(format!(
@@ -162,18 +193,14 @@ impl Inbox {
         check_key(key)?;
         let mut attempts = 0;
         let mut tx = loop {
-            let mut tx = self.pool.begin().await.map_err(db_error)?;
-            match advance(&mut tx, consumer, key, position).await? {
-                Advance::Moved => break tx,
-                Advance::Stale => {
+            let tx = self.pool.begin().await.map_err(db_error)?;
+            match advance_in(tx, consumer, (key, position), &mut attempts).await? {
+                Moved::Go(tx) => break tx,
+                Moved::Stale(tx) => {
                     tx.rollback().await.map_err(db_error)?;
                     return Ok(Ordered::Stale);
                 }
-                Advance::Raced if attempts + 1 < ADVANCE_ATTEMPTS => {
-                    attempts += 1;
-                    tx.rollback().await.map_err(db_error)?;
-                }
-                Advance::Raced => return Err(InboxError::Store(raced())),
+                Moved::Again => {}
             }
         };
         let out = work(&mut tx).await.map_err(InboxError::Work)?;

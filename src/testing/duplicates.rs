@@ -216,13 +216,28 @@ where
     S: AsyncFn(Bytes) -> Answer,
     P: AsyncFn() -> usize,
 {
-    let first = send(body.clone()).await;
-    let second = send(body).await;
-    once("request_twice", probe, "sent twice").await?;
-    if first != second {
+    sent_twice("request_twice", send, body.clone(), body, probe).await
+}
+
+/// Sends `first`, then `second` as its retry: one effect, and the same answer.
+async fn sent_twice<S, P>(
+    check: &'static str,
+    send: &S,
+    first: Bytes,
+    second: Bytes,
+    probe: &P,
+) -> Result<(), Failure>
+where
+    S: AsyncFn(Bytes) -> Answer,
+    P: AsyncFn() -> usize,
+{
+    let answer = send(first).await;
+    let retry = send(second).await;
+    once(check, probe, "sent twice").await?;
+    if answer != retry {
         return Err(fail(
-            "request_twice",
-            format!("the retry was answered {second:?}, the first request {first:?}"),
+            check,
+            format!("the retry was answered {retry:?}, the first request {answer:?}"),
         ));
     }
     Ok(())
@@ -282,16 +297,7 @@ where
     S: AsyncFn(Bytes) -> Answer,
     P: AsyncFn() -> usize,
 {
-    let first = send(body).await;
-    let second = send(reordered).await;
-    once("request_with_reordered_json", probe, "sent twice").await?;
-    if first != second {
-        return Err(fail(
-            "request_with_reordered_json",
-            format!("the reordered retry was answered {second:?}, the first request {first:?}"),
-        ));
-    }
-    Ok(())
+    sent_twice("request_with_reordered_json", send, body, reordered, probe).await
 }
 
 /// The request's first answer dropped (the client timed out, the connection broke): the
