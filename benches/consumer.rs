@@ -139,17 +139,17 @@ async fn consume(
             }
             work(&mut tx, account, 1).await.unwrap();
             if way == "id-checked" {
-                let recorded: bool = sqlx::query_scalar(
+                // As the inbox sends it: over the simple protocol, the values written in.
+                let check = format!(
                     "SELECT EXISTS (SELECT 1 FROM tower_idempotency_processed_messages
-                                     WHERE consumer = $1 AND message_id = $2)",
-                )
-                .bind(consumer.name())
-                .bind(id)
-                .persistent(false)
-                .fetch_one(&mut *tx)
-                .await
-                .unwrap();
-                assert!(recorded);
+                                     WHERE consumer = '{}' AND message_id = '{id}')",
+                    consumer.name()
+                );
+                let row = sqlx::raw_sql(AssertSqlSafe(check))
+                    .fetch_one(&mut *tx)
+                    .await
+                    .unwrap();
+                assert!(sqlx::Row::get::<bool, _>(&row, 0));
             }
             tx.commit().await.unwrap();
         }

@@ -230,24 +230,29 @@ async fn commit_unless_aborted<E>(
     consumer: &str,
     message_id: &str,
 ) -> Result<(), InboxError<E>> {
-    // In the transaction a pooler keeps this client's server connection: the unnamed
-    // statement of a bound query is safe here (a named one would outlive it).
-    let check = sqlx::query_scalar(STILL_RECORDED)
-        .bind(consumer)
-        .bind(message_id)
-        .persistent(false);
+    let check = fill(
+        STILL_RECORDED,
+        &[Lit::Text(consumer), Lit::Text(message_id)],
+    )?;
     commit_unless_aborted_by(tx, check).await
 }
 
 /// Commits the work's transaction if `check` (a statement answering one `bool`: whether what
 /// the transaction wrote before the work is still in it) says so; else rolls it back and
 /// answers [`InboxError::Aborted`], as [`commit_unless_aborted`].
+///
+/// The check goes over the simple protocol, its values written into it (`fill`): one round
+/// trip, where an unnamed bound statement takes two (sqlx describes it before it binds), and
+/// no named statement that a transaction pooler would strand on its server connection.
 async fn commit_unless_aborted_by<E>(
     mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
-    check: sqlx::query::QueryScalar<'_, sqlx::Postgres, bool, sqlx::postgres::PgArguments>,
+    check: String,
 ) -> Result<(), InboxError<E>> {
-    let pending = match check.fetch_one(&mut *tx).await {
-        Ok(pending) => pending,
+    let pending = match sqlx::raw_sql(AssertSqlSafe(check))
+        .fetch_one(&mut *tx)
+        .await
+    {
+        Ok(row) => row.try_get::<bool, _>(0).map_err(db_error)?,
         Err(err) if has_sqlstate(&err, IN_FAILED_TRANSACTION) => false,
         Err(err) => return Err(db_error(err).into()),
     };

@@ -341,11 +341,14 @@ impl DailyInbox {
             return Ok(Delivery::Duplicate);
         }
         let out = work(&mut tx).await.map_err(InboxError::Work)?;
-        let check = sqlx::query_scalar(STILL_RECORDED)
-            .bind(consumer)
-            .bind(message_id)
-            .bind(day)
-            .persistent(false);
+        let check = fill(
+            STILL_RECORDED,
+            &[
+                Lit::Text(consumer),
+                Lit::Text(message_id),
+                Lit::Int(i64::from(day)),
+            ],
+        )?;
         commit_unless_aborted_by(tx, check).await?;
         Ok(Delivery::Processed(out))
     }

@@ -123,10 +123,8 @@ pub(super) async fn park_unclaimed(
     payload: Option<&[u8]>,
 ) -> Result<bool, StoreError> {
     let mut tx = inbox.pool.begin().await.map_err(db_error)?;
-    let recorded = sqlx::query(RECORD_PARKED)
-        .bind(consumer)
-        .bind(message_id)
-        .persistent(false)
+    let sql = fill(RECORD_PARKED, &[Lit::Text(consumer), Lit::Text(message_id)])?;
+    let recorded = sqlx::raw_sql(AssertSqlSafe(sql))
         .fetch_optional(&mut *tx)
         .await
         .map_err(db_error)?;
@@ -134,16 +132,31 @@ pub(super) async fn park_unclaimed(
         tx.rollback().await.map_err(db_error)?;
         return Ok(false);
     }
-    sqlx::query(PARK)
-        .bind(consumer)
-        .bind(message_id)
-        .bind(payload)
-        .persistent(false)
+    mark_parked(&mut tx, consumer, message_id, payload).await?;
+    tx.commit().await.map_err(db_error)?;
+    Ok(true)
+}
+
+/// Marks the failure row of the message parked, with `payload`, in `tx`.
+async fn mark_parked(
+    tx: &mut sqlx::PgConnection,
+    consumer: &str,
+    message_id: &str,
+    payload: Option<&[u8]>,
+) -> Result<(), StoreError> {
+    let sql = fill(
+        PARK,
+        &[
+            Lit::Text(consumer),
+            Lit::Text(message_id),
+            Lit::MaybeBytes(payload),
+        ],
+    )?;
+    sqlx::raw_sql(AssertSqlSafe(sql))
         .execute(&mut *tx)
         .await
         .map_err(db_error)?;
-    tx.commit().await.map_err(db_error)?;
-    Ok(true)
+    Ok(())
 }
 
 /// Parks the leased message: records it as processed and its failure row as parked, with
@@ -154,14 +167,7 @@ pub(super) async fn park<E>(
 ) -> Result<(), InboxError<E>> {
     let mut tx = lease.finish().await?;
     lease.ended();
-    sqlx::query(PARK)
-        .bind(lease.consumer())
-        .bind(lease.message_id())
-        .bind(payload)
-        .persistent(false)
-        .execute(&mut *tx)
-        .await
-        .map_err(db_error)?;
+    mark_parked(&mut tx, lease.consumer(), lease.message_id(), payload).await?;
     tx.commit().await.map_err(db_error)?;
     Ok(())
 }

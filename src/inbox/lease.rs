@@ -299,13 +299,9 @@ impl MessageLease {
         &self,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, InboxError<E>> {
         let mut tx = self.inbox.pool.begin().await.map_err(db_error)?;
-        // In the transaction a pooler keeps this client's server connection: unnamed bound
-        // statements are safe here.
-        let finished = sqlx::query(FINISH)
-            .bind(&self.consumer)
-            .bind(&self.message_id)
-            .bind(self.token)
-            .persistent(false)
+        // Over the simple protocol: one round trip (see `commit_unless_aborted_by`).
+        let sql = fill(FINISH, &self.args())?;
+        let finished = sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&mut *tx)
             .await
             .map_err(db_error)?;

@@ -129,13 +129,12 @@ pub(super) async fn advance(
     key: &str,
     position: i64,
 ) -> Result<Advance, StoreError> {
-    // In the transaction a pooler keeps this client's server connection: an unnamed bound
-    // statement is safe here.
-    let row = sqlx::query(ADVANCE)
-        .bind(consumer)
-        .bind(key)
-        .bind(position)
-        .persistent(false)
+    // Over the simple protocol: one round trip (see `commit_unless_aborted_by`).
+    let sql = fill(
+        ADVANCE,
+        &[Lit::Text(consumer), Lit::Text(key), Lit::Int(position)],
+    )?;
+    let row = sqlx::raw_sql(AssertSqlSafe(sql))
         .fetch_optional(&mut *tx)
         .await;
     match row {
@@ -204,11 +203,10 @@ impl Inbox {
             }
         };
         let out = work(&mut tx).await.map_err(InboxError::Work)?;
-        let check = sqlx::query_scalar(STILL_ADVANCED)
-            .bind(consumer)
-            .bind(key)
-            .bind(position)
-            .persistent(false);
+        let check = fill(
+            STILL_ADVANCED,
+            &[Lit::Text(consumer), Lit::Text(key), Lit::Int(position)],
+        )?;
         commit_unless_aborted_by(tx, check).await?;
         Ok(Ordered::Applied(out))
     }
