@@ -427,7 +427,20 @@ async fn killed_mid_work_and_restarted_each_message_is_applied_once_in_order() {
         assert_eq!(ex.account(&account).await, want, "{all:?}");
     }
     assert_eq!(count(&all, "stale"), 0, "{all:?}");
-    assert_eq!(count(&all, "processed"), 12, "each once: {all:?}");
+    // A process killed between a commit and its line prints nothing for that message; its
+    // redelivery is then the `duplicate`. No message is processed twice, none is missing.
+    for account in accounts {
+        for seq in 1..=per_account {
+            let id = format!("{account}-{seq}");
+            let processed = all
+                .iter()
+                .filter(|l| **l == format!("processed {id}"))
+                .count();
+            let seen = all.iter().any(|l| *l == format!("duplicate {id}"));
+            assert!(processed <= 1, "{id} processed twice: {all:?}");
+            assert!(processed == 1 || seen, "{id} never settled: {all:?}");
+        }
+    }
     fx.finish().await;
 }
 
@@ -461,13 +474,15 @@ async fn two_processes_on_one_durable_apply_each_message_once_in_order() {
 #[tokio::test]
 async fn work_longer_than_the_ack_wait_is_kept_alive_and_not_redelivered() {
     let fx = Fixture::new().await;
-    let env = fx.env(&[("WORK_DELAY_MS", "2500"), ("ACK_WAIT_MS", "600")]);
+    // Work of more than three ack waits; renewals every third of one (a margin of two
+    // thirds for a busy machine).
+    let env = fx.env(&[("WORK_DELAY_MS", "4000"), ("ACK_WAIT_MS", "1200")]);
     let a = Example::start(&env);
     let b = Example::start(&env);
     fx.charge("acme", "slow", 100, 1).await;
     wait_for_line(&[&a, &b], "processed slow").await;
     // Longer than an ack wait more: a redelivery would have come by now.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let mut all = a.lines();
     all.extend(b.lines());
     assert_eq!(all, ["processed slow"]);
