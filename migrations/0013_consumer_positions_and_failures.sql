@@ -52,8 +52,8 @@ CREATE TABLE tower_idempotency_processed_messages_daily (
 -- Records a message's ID for `Inbox::process`, in the work's transaction, waiting at most
 -- p_lock_ms for a concurrent delivery of the same message (the only wait: an insert of the
 -- same ID by a transaction still open); the caller's lock_timeout is put back after. True when
--- the ID is new. One call, planned once per session, in place of four statements parsed on
--- every delivery.
+-- the ID is new. One call, planned once per session: the bound and the insert as separate
+-- statements would be four, each parsed on every delivery.
 CREATE FUNCTION tower_idempotency_record_message(
     p_consumer text, p_message_id text, p_lock_ms bigint)
 RETURNS boolean
