@@ -81,3 +81,45 @@ BEGIN
         pg_catalog.current_schema(), pg_catalog.current_schema());
 END
 $$;
+
+-- As tower_idempotency_record_message, for a message at p_position of the ordering key p_key:
+-- when the ID is new, the key's position moves to p_position in the same call, if it is below
+-- it (the key's row is locked either way). 0: the ID was recorded before; 1: recorded, and
+-- the position moved; 2: recorded, and the message is stale (at or below the position).
+CREATE FUNCTION tower_idempotency_record_message(
+    p_consumer text, p_message_id text, p_lock_ms bigint, p_key text, p_position bigint)
+RETURNS smallint
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    saved text := pg_catalog.current_setting('lock_timeout');
+    changed bigint;
+BEGIN
+    PERFORM pg_catalog.set_config('lock_timeout', p_lock_ms::text || 'ms', true);
+    INSERT INTO tower_idempotency_processed_messages (consumer, message_id)
+    VALUES (p_consumer, p_message_id)
+    ON CONFLICT (consumer, message_id) DO NOTHING;
+    GET DIAGNOSTICS changed = ROW_COUNT;
+    IF changed = 0 THEN
+        PERFORM pg_catalog.set_config('lock_timeout', saved, true);
+        RETURN 0;
+    END IF;
+    INSERT INTO tower_idempotency_positions AS p (consumer, key, position)
+    VALUES (p_consumer, p_key, p_position)
+    ON CONFLICT (consumer, key) DO UPDATE
+       SET position = EXCLUDED.position, updated_at = tower_idempotency_now()
+     WHERE p.position < EXCLUDED.position;
+    GET DIAGNOSTICS changed = ROW_COUNT;
+    PERFORM pg_catalog.set_config('lock_timeout', saved, true);
+    RETURN CASE WHEN changed = 1 THEN 1 ELSE 2 END;
+END
+$$;
+
+DO $$
+BEGIN
+    EXECUTE pg_catalog.format(
+        'ALTER FUNCTION %I.tower_idempotency_record_message(text, text, bigint, text, bigint) '
+        'SET search_path = pg_catalog, %I, pg_temp',
+        pg_catalog.current_schema(), pg_catalog.current_schema());
+END
+$$;

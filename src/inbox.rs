@@ -152,6 +152,16 @@ const MAX_MESSAGE_ID: usize = 1024;
 const RECORD: &str = "
 SELECT tower_idempotency_record_message($1, $2, $3) AS recorded";
 
+/// As [`RECORD`], and for a new ID the ordering key `$4`'s position moved to `$5` if it is
+/// below it: [`RECORDED`], [`RECORDED_STALE`], or 0 when the ID was recorded before.
+const RECORD_AT: &str = "
+SELECT tower_idempotency_record_message($1, $2, $3, $4, $5) AS recorded";
+
+/// [`RECORD_AT`]: the ID recorded, and the position moved (or, [`RECORD`], the ID recorded).
+const RECORDED: i16 = 1;
+/// [`RECORD_AT`]: the ID recorded, and the message at or below the position.
+const RECORDED_STALE: i16 = 2;
+
 /// The default [`Inbox::with_lock_timeout`].
 const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -375,42 +385,72 @@ impl Inbox {
         if let Some((key, _)) = order {
             order::check_key(key)?;
         }
-        let record = fill(
-            RECORD,
-            &[
-                Lit::Text(consumer),
-                Lit::Text(message_id),
-                Lit::Int(millis(self.lock_timeout)),
-            ],
-        )?;
+        let (consumer_lit, id_lit) = (Lit::Text(consumer), Lit::Text(message_id));
+        let bound = Lit::Int(millis(self.lock_timeout));
+        let record = match order {
+            None => fill(RECORD, &[consumer_lit, id_lit, bound])?,
+            Some((key, position)) => fill(
+                RECORD_AT,
+                &[
+                    consumer_lit,
+                    id_lit,
+                    bound,
+                    Lit::Text(key),
+                    Lit::Int(position),
+                ],
+            )?,
+        };
         let mut attempts = 0;
         let mut tx = loop {
             let mut tx = self.pool.begin().await.map_err(db_error)?;
-            // Waits only if another transaction inserted the same ID and has not ended yet.
-            // Sent over the simple protocol (no prepared statement: see `crate::store::sql`).
+            // Waits only if another transaction inserted the same ID (or moved the key's
+            // position) and has not ended yet. Sent over the simple protocol (no prepared
+            // statement: see `crate::store::sql`).
             let recorded = match sqlx::raw_sql(AssertSqlSafe(record.as_str()))
                 .fetch_one(&mut *tx)
                 .await
             {
-                Ok(row) => row.try_get::<bool, _>("recorded").map_err(db_error)?,
-                // Repeatable read or serializable: a delivery of the same message committed
-                // after this transaction's snapshot, so the conflict is an error, not a no-op.
+                Ok(row) if order.is_some() => row.try_get::<i16, _>("recorded"),
+                Ok(row) => row.try_get::<bool, _>("recorded").map(i16::from),
+                // Repeatable read or serializable: a delivery of the same message (or of
+                // the same key) committed after this transaction's snapshot, so the conflict
+                // is an error, not a no-op.
                 Err(err) if has_sqlstate(&err, SERIALIZATION_FAILURE) => {
                     tx.rollback().await.map_err(db_error)?;
-                    return self.duplicate_or(consumer, message_id, err).await;
+                    match self.duplicate_or(consumer, message_id, err).await {
+                        // Not this message: another one of its key moved the position. The
+                        // work has not run: begin again.
+                        Err(InboxError::Store(_))
+                            if order.is_some() && attempts + 1 < order::ADVANCE_ATTEMPTS =>
+                        {
+                            attempts += 1;
+                            continue;
+                        }
+                        other => return other,
+                    }
                 }
                 Err(err) => return Err(db_error(err).into()),
-            };
-            if !recorded && !take_over_an_expired_claim(&mut tx, consumer, message_id).await? {
+            }
+            .map_err(db_error)?;
+            match recorded {
+                RECORDED => break tx,
+                // Recorded as processed: a redelivery is a duplicate.
+                RECORDED_STALE => {
+                    tx.commit().await.map_err(db_error)?;
+                    return Ok(Delivery::Processed(Ordered::Stale));
+                }
+                _ => {}
+            }
+            if !take_over_an_expired_claim(&mut tx, consumer, message_id).await? {
                 tx.rollback().await.map_err(db_error)?;
                 return Ok(Delivery::Duplicate);
             }
+            // A leased claim whose worker died, taken over: the ID is this transaction's.
             let Some(order) = order else {
                 break tx;
             };
             match order::advance_in(tx, consumer, order, &mut attempts).await? {
                 order::Moved::Go(tx) => break tx,
-                // Recorded as processed: a redelivery is a duplicate.
                 order::Moved::Stale(tx) => {
                     tx.commit().await.map_err(db_error)?;
                     return Ok(Delivery::Processed(Ordered::Stale));

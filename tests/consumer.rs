@@ -454,3 +454,36 @@ async fn a_purge_drops_old_failure_counts_and_keeps_dead_letters() {
     assert_eq!(dead[0].message_id, "poison");
     done(schema, inbox).await;
 }
+
+/// Twenty messages of one key with IDs of their own race through `Consumer::process` at
+/// random positions: each is `Processed` or `Stale` (none fails, at any isolation level), and
+/// the positions applied only ever increase.
+#[tokio::test]
+async fn racing_messages_of_one_key_through_process_never_apply_out_of_order() {
+    let (schema, inbox) = setup().await;
+    let consumer = consumer(&inbox);
+    let positions: Vec<i64> = (1..=20).map(|n| (n * 7919) % 23).collect();
+    let outcomes = futures_util::future::join_all(positions.iter().map(|&position| {
+        let consumer = consumer.clone();
+        async move {
+            let id = format!("m-{position}");
+            consumer
+                .process(
+                    &Message::new(Some(&id)).ordered("k", position),
+                    async |c: &mut PgConnection| apply(c, "k", position).await,
+                )
+                .await
+        }
+    }))
+    .await;
+    for outcome in &outcomes {
+        assert!(
+            matches!(outcome, Outcome::Processed(_) | Outcome::Stale),
+            "{outcome:?}"
+        );
+    }
+    let seen = applied(&inbox).await;
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
+    assert_eq!(seen.last(), positions.iter().max());
+    done(schema, inbox).await;
+}
