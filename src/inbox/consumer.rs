@@ -148,7 +148,7 @@ impl Consumer {
 
     /// Counts and traces a delivery the application refused before it reached the inbox (a
     /// payload that does not parse, say), and answers [`Outcome::Rejected`]:
-    /// [`Settle::Reject`], so the broker never delivers it again.
+    /// [`Settle::Reject`](super::Settle::Reject), so the broker never delivers it again.
     pub fn reject<T>(&self, message: &Message<'_>, reason: impl Into<String>) -> Outcome<T> {
         let outcome = Outcome::Rejected {
             reason: reason.into(),

@@ -64,8 +64,17 @@ SELECT c.relname::text AS name, i.inhdetachpending AS pending
   JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
  WHERE i.inhparent = 'tower_idempotency_processed_messages_daily'::regclass";
 
-/// The message IDs of a consumer group in daily partitions ([module docs](self)). Cheap to
-/// clone.
+/// The message IDs of a consumer group in daily partitions, for retention by dropping a
+/// day's partition instead of deleting its rows. Cheap to clone.
+///
+/// **Why duplicates across partitions are still caught.** A partitioned table's primary key
+/// must include the partition key, so it is unique within one partition only. The day is
+/// therefore not the time the message is processed but a function of the message: the UTC
+/// day its producer first sent it (`sent_at` of [`process`](Self::process)), which every
+/// delivery and republish carries unchanged. All deliveries of one message land in one
+/// partition, where the primary key catches every duplicate at every isolation level. A
+/// message whose day has no partition (past the retention, or too far ahead) is refused with
+/// [`InboxError::OutsideRetention`] and never applied.
 #[derive(Clone, Debug)]
 pub struct DailyInbox {
     pool: PgPool,
@@ -177,7 +186,8 @@ impl DailyInbox {
         &self.pool
     }
 
-    /// Creates or upgrades the crate's tables ([`PostgresStore::migrate`](crate::PostgresStore::migrate)).
+    /// Creates or upgrades the crate's tables
+    /// ([`PostgresStore::migrate`](crate::PostgresStore::migrate)).
     ///
     /// # Errors
     ///
@@ -290,7 +300,7 @@ impl DailyInbox {
 
     /// As [`Inbox::process`](super::Inbox::process), in the partition of the day the
     /// producer first sent the message (`sent_at`: the same for every delivery and republish
-    /// of it; see the [module docs](self)).
+    /// of it; see [`DailyInbox`]).
     ///
     /// # Errors
     ///

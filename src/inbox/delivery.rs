@@ -58,8 +58,9 @@ impl<'a> Message<'a> {
     }
 }
 
-/// What [`Consumer::deliver`](super::Consumer::deliver) did with a delivery; [`settle`](Outcome::settle) says what to
-/// tell the broker.
+/// What [`Consumer::deliver`](super::Consumer::deliver) (or
+/// [`Consumer::process`](super::Consumer::process)) did with a delivery;
+/// [`settle`](Outcome::settle) says what to tell the broker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]
 pub enum Outcome<T> {
@@ -71,7 +72,8 @@ pub enum Outcome<T> {
     /// work did not run.
     Stale,
     /// The message's work failed as often as the consumer allows: recorded as processed and
-    /// kept as a dead letter ([`Inbox::dead_letters`](super::Inbox::dead_letters)) with `reason`; never applied.
+    /// kept as a dead letter ([`Inbox::dead_letters`](super::Inbox::dead_letters)) with
+    /// `reason`; never applied.
     Parked {
         /// How many attempts failed.
         attempts: u32,
@@ -79,7 +81,8 @@ pub enum Outcome<T> {
         reason: String,
     },
     /// The delivery cannot be a message: no ID, an unusable ID or ordering key, or a payload
-    /// the application refused ([`Consumer::reject`](super::Consumer::reject)). Nothing is recorded.
+    /// the application refused ([`Consumer::reject`](super::Consumer::reject)). Nothing is
+    /// recorded.
     Rejected {
         /// Why.
         reason: String,
@@ -131,8 +134,9 @@ impl<T> Outcome<T> {
         }
     }
 
-    /// What to tell the broker. Settle after [`Consumer::deliver`](super::Consumer::deliver) returns, never before:
-    /// the commit comes first.
+    /// What to tell the broker. Settle after
+    /// [`Consumer::deliver`](super::Consumer::deliver) returns, never before: the commit
+    /// comes first.
     pub fn settle(&self) -> Settle {
         match self {
             Self::Processed(_) | Self::Duplicate | Self::Stale | Self::Parked { .. } => Settle::Ack,
