@@ -113,8 +113,8 @@ fn config() -> Result<Config, Error> {
         return Err("MAX_DELIVER=0: at least one attempt".into());
     }
     let ack_wait = millis("ACK_WAIT_MS", "30000")?;
-    if ack_wait < Duration::from_millis(100) {
-        return Err("ACK_WAIT_MS: at least 100".into());
+    if ack_wait < Duration::from_millis(10) {
+        return Err("ACK_WAIT_MS: at least 10".into());
     }
     let exit_when_idle = match std::env::var("EXIT_WHEN_IDLE_MS") {
         Ok(v) => Some(Duration::from_millis(parse("EXIT_WHEN_IDLE_MS", &v)?)),

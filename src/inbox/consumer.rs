@@ -249,31 +249,29 @@ impl Consumer {
             Ok(id) => id,
             Err(rejected) => return rejected,
         };
-        let lease = match self.inbox.claim::<E>(&self.name, id, self.lease).await {
+        let order_key = message.order.map(|(key, _)| key);
+        let claimed = self
+            .inbox
+            .claim_at::<E>(&self.name, id, self.lease, order_key)
+            .await;
+        let lease = match claimed {
             Ok(Claim::Acquired(lease)) => lease,
             Ok(Claim::Duplicate) => return Outcome::Duplicate,
             Ok(Claim::InProgress { retry_after }) => return Outcome::InProgress { retry_after },
             Err(e) => return self.unavailable(&e),
         };
-        // Stale before any remote work: a message applied before must not call out again.
-        if let Some((key, position)) = message.order {
-            match self.inbox.position(&self.name, key).await {
-                Ok(Some(applied)) if position <= applied => {
-                    return match lease
-                        .commit_in_order(
-                            key,
-                            position,
-                            async |_: &mut PgConnection| Ok::<(), E>(()),
-                        )
-                        .await
-                    {
-                        Ok(_) => Outcome::Stale,
-                        Err(e) => self.unavailable(&e),
-                    };
-                }
-                Ok(_) => {}
-                Err(e) => return self.unavailable(&InboxError::<E>::Store(e)),
-            }
+        // Stale before any remote work (the claim read the key's position): a message applied
+        // before must not call out again.
+        if let Some((key, position)) = message.order
+            && lease.applied().is_some_and(|applied| position <= applied)
+        {
+            return match lease
+                .commit_in_order(key, position, async |_: &mut PgConnection| Ok::<(), E>(()))
+                .await
+            {
+                Ok(_) => Outcome::Stale,
+                Err(e) => self.unavailable(&e),
+            };
         }
         let prepared = match keep_alive(&lease, remote()).await {
             Some(Ok(prepared)) => prepared,

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
-use super::order::{Moved, advance_in, check_key};
+use super::order::{ADVANCE_ATTEMPTS, check_key, raced};
 use super::{
     Inbox, InboxError, LOOK, MAX_MESSAGE_ID, Ordered, SERIALIZATION_FAILURE, commit_unless_aborted,
     has_sqlstate, lease_left,
@@ -44,6 +44,8 @@ pub struct MessageLease {
     message_id: String,
     token: i64,
     lease: Duration,
+    /// The ordering key's applied position as the claim read it ([`Inbox::claim_at`]).
+    applied: Option<i64>,
     ended: bool,
 }
 
@@ -60,6 +62,38 @@ ON CONFLICT (consumer, message_id) DO UPDATE
        processed_at = tower_idempotency_now()
  WHERE m.lease_token IS NOT NULL AND m.lease_expires_at <= tower_idempotency_now()
 RETURNING m.lease_token AS token";
+
+/// As [`CLAIM`], and the ordering key `$4`'s applied position read in the same statement.
+const CLAIM_AT: &str = "
+INSERT INTO tower_idempotency_processed_messages AS m
+       (consumer, message_id, lease_token, lease_expires_at)
+VALUES ($1, $2, nextval('tower_idempotency_lease_token_seq'),
+        tower_idempotency_now() + $3::float8 * interval '1 millisecond')
+ON CONFLICT (consumer, message_id) DO UPDATE
+   SET lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
+       processed_at = tower_idempotency_now()
+ WHERE m.lease_token IS NOT NULL AND m.lease_expires_at <= tower_idempotency_now()
+RETURNING m.lease_token AS token,
+          (SELECT p.position FROM tower_idempotency_positions AS p
+            WHERE p.consumer = $1 AND p.key = $4) AS position";
+
+/// As [`FINISH`], and the ordering key `$4`'s position moved to `$5` if it is below it, in
+/// one statement: `finished` is 0 when the lease was lost (nothing moved), `advanced` 0 when
+/// the message is stale. The key's row is locked either way.
+const FINISH_AT: &str = "
+WITH finished AS (
+    UPDATE tower_idempotency_processed_messages
+       SET lease_token = NULL, lease_expires_at = NULL, processed_at = tower_idempotency_now()
+     WHERE consumer = $1 AND message_id = $2 AND lease_token = $3
+    RETURNING 1),
+advanced AS (
+    INSERT INTO tower_idempotency_positions AS p (consumer, key, position)
+    SELECT $1, $4, $5 FROM finished
+    ON CONFLICT (consumer, key) DO UPDATE
+       SET position = EXCLUDED.position, updated_at = tower_idempotency_now()
+     WHERE p.position < EXCLUDED.position
+    RETURNING 1)
+SELECT (SELECT count(*) FROM finished) AS finished, (SELECT count(*) FROM advanced) AS advanced";
 
 /// Extends the lease the token holds.
 const RENEW: &str = "
@@ -103,11 +137,34 @@ impl Inbox {
         message_id: &str,
         lease: Duration,
     ) -> Result<Claim, InboxError<E>> {
+        self.claim_at(consumer, message_id, lease, None).await
+    }
+
+    /// As [`claim`](Self::claim), and with `order_key` the key's applied position read in the
+    /// same statement ([`MessageLease::applied`]).
+    pub(super) async fn claim_at<E>(
+        &self,
+        consumer: &str,
+        message_id: &str,
+        lease: Duration,
+        order_key: Option<&str>,
+    ) -> Result<Claim, InboxError<E>> {
         if message_id.is_empty() || message_id.len() > MAX_MESSAGE_ID {
             return Err(InboxError::InvalidMessageId);
         }
         let key = [Lit::Text(consumer), Lit::Text(message_id)];
-        let claim = fill(CLAIM, &[key[0], key[1], Lit::Int(millis(lease))])?;
+        let claim = match order_key {
+            None => fill(CLAIM, &[key[0], key[1], Lit::Int(millis(lease))])?,
+            Some(order_key) => fill(
+                CLAIM_AT,
+                &[
+                    key[0],
+                    key[1],
+                    Lit::Int(millis(lease)),
+                    Lit::Text(order_key),
+                ],
+            )?,
+        };
         let look = fill(LOOK, &key)?;
         for _ in 0..CLAIM_ATTEMPTS {
             // One statement each, over the simple protocol (pooler-safe); a fresh snapshot each.
@@ -122,6 +179,10 @@ impl Inbox {
                         message_id: message_id.to_owned(),
                         token: row.try_get("token").map_err(db_error)?,
                         lease,
+                        applied: match order_key {
+                            Some(_) => row.try_get("position").map_err(db_error)?,
+                            None => None,
+                        },
                         ended: false,
                     }));
                 }
@@ -156,6 +217,12 @@ impl MessageLease {
     /// The message's ID.
     pub fn message_id(&self) -> &str {
         &self.message_id
+    }
+
+    /// The ordering key's applied position as the claim read it, when the claim was made
+    /// for an ordered message.
+    pub(super) fn applied(&self) -> Option<i64> {
+        self.applied
     }
 
     /// The lease's length, as claimed.
@@ -273,19 +340,41 @@ impl MessageLease {
     {
         let mut attempts = 0;
         let mut tx = loop {
-            let tx = self.finish().await?;
-            let Some(order) = order else {
-                break tx;
+            let Some((key, position)) = order else {
+                break self.finish().await?;
             };
-            // A lost race rolls the finish back with it: the claim is still held.
-            match advance_in(tx, &self.consumer, order, &mut attempts).await? {
-                Moved::Go(tx) => break tx,
-                // Recorded as processed: a redelivery is a duplicate.
-                Moved::Stale(tx) => {
+            let mut tx = self.inbox.pool.begin().await.map_err(db_error)?;
+            let [consumer, id, token] = self.args();
+            let sql = fill(
+                FINISH_AT,
+                &[consumer, id, token, Lit::Text(key), Lit::Int(position)],
+            )?;
+            match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_one(&mut *tx).await {
+                Ok(row) => {
+                    let finished: i64 = row.try_get("finished").map_err(db_error)?;
+                    let advanced: i64 = row.try_get("advanced").map_err(db_error)?;
+                    if finished != 1 {
+                        // Dropped: rolled back.
+                        return Err(InboxError::LeaseLost);
+                    }
+                    if advanced == 1 {
+                        break tx;
+                    }
+                    // Recorded as processed: a redelivery is a duplicate.
                     tx.commit().await.map_err(db_error)?;
                     return Ok(Ordered::Stale);
                 }
-                Moved::Again => {}
+                // REPEATABLE READ or SERIALIZABLE: another delivery of the key moved its
+                // position after this transaction's snapshot. The finish rolls back with it
+                // (the claim is still held) and the work has not run: begin again.
+                Err(e) if has_sqlstate(&e, SERIALIZATION_FAILURE) => {
+                    tx.rollback().await.map_err(db_error)?;
+                    attempts += 1;
+                    if attempts >= ADVANCE_ATTEMPTS {
+                        return Err(InboxError::Store(raced()));
+                    }
+                }
+                Err(e) => return Err(db_error(e).into()),
             }
         };
         let out = work(&mut tx).await.map_err(InboxError::Work)?;
