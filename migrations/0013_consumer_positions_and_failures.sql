@@ -93,6 +93,7 @@ LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     saved text := pg_catalog.current_setting('lock_timeout');
+    seen_before CONSTANT smallint := 0;
     changed bigint;
 BEGIN
     PERFORM pg_catalog.set_config('lock_timeout', p_lock_ms::text || 'ms', true);
@@ -102,7 +103,7 @@ BEGIN
     GET DIAGNOSTICS changed = ROW_COUNT;
     IF changed = 0 THEN
         PERFORM pg_catalog.set_config('lock_timeout', saved, true);
-        RETURN 0;
+        RETURN seen_before;
     END IF;
     INSERT INTO tower_idempotency_positions AS p (consumer, key, position)
     VALUES (p_consumer, p_key, p_position)

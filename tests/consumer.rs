@@ -464,68 +464,25 @@ async fn a_purge_drops_old_failure_counts_and_keeps_dead_letters() {
     done(schema, inbox).await;
 }
 
-/// Twenty messages of one key with IDs of their own race through `Consumer::process` at
-/// random positions: each is `Processed` or `Stale` (none fails, at any isolation level), and
-/// the positions applied only ever increase.
-#[tokio::test]
-async fn racing_messages_of_one_key_through_process_never_apply_out_of_order() {
+/// Twenty messages of one key, each with an ID of its own, at positions in random order, sent
+/// at once through `send(consumer, id, position)`; each delivery is repeated while it is
+/// `Failed` by a serialization failure (under `SERIALIZABLE` the work's own statements may
+/// fail so, and the work's error is the application's, opaque to the consumer) or
+/// `InProgress`, as a broker would deliver it again. Every message ends `Processed` or
+/// `Stale`, and the positions applied only ever increase.
+async fn race_on_one_key<F>(send: F)
+where
+    F: AsyncFn(Consumer, String, i64) -> Outcome<i64>,
+{
     let (schema, inbox) = setup().await;
     let consumer = consumer(&inbox).with_max_failures(50).unwrap();
     let positions: Vec<i64> = (1..=20).map(|n| (n * 7919) % 23).collect();
     let outcomes = futures_util::future::join_all(positions.iter().map(|&position| {
-        let consumer = consumer.clone();
+        let (consumer, send) = (consumer.clone(), &send);
         async move {
             let id = format!("m-{position}");
             for _ in 0..40 {
-                let outcome = consumer
-                    .process(
-                        &Message::new(Some(&id)).ordered("k", position),
-                        async |c: &mut PgConnection| apply(c, "k", position).await,
-                    )
-                    .await;
-                match &outcome {
-                    // As the leased race's test says: delivered again.
-                    Outcome::Failed { reason, .. } if reason.contains("could not serialize") => {}
-                    _ => return outcome,
-                }
-            }
-            panic!("{id} never settled");
-        }
-    }))
-    .await;
-    for outcome in &outcomes {
-        assert!(
-            matches!(outcome, Outcome::Processed(_) | Outcome::Stale),
-            "{outcome:?}"
-        );
-    }
-    let seen = applied(&inbox).await;
-    assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
-    assert_eq!(seen.last(), positions.iter().max());
-    done(schema, inbox).await;
-}
-
-/// The same race through `Consumer::deliver` (leased claims, the position moved in the
-/// statement that finishes the claim). Under `SERIALIZABLE` the work's own statements may
-/// fail with a serialization failure (the work's error is the application's, opaque to the
-/// consumer): that delivery is `Failed` and, as a broker would, delivered again.
-#[tokio::test]
-async fn racing_messages_of_one_key_through_deliver_never_apply_out_of_order() {
-    let (schema, inbox) = setup().await;
-    let consumer = consumer(&inbox).with_max_failures(50).unwrap();
-    let positions: Vec<i64> = (1..=20).map(|n| (n * 7919) % 23).collect();
-    let outcomes = futures_util::future::join_all(positions.iter().map(|&position| {
-        let consumer = consumer.clone();
-        async move {
-            let id = format!("m-{position}");
-            for _ in 0..40 {
-                let outcome = consumer
-                    .deliver(
-                        &Message::new(Some(&id)).ordered("k", position),
-                        async || Ok::<_, sqlx::Error>(()),
-                        async |c: &mut PgConnection, ()| apply(c, "k", position).await,
-                    )
-                    .await;
+                let outcome = send(consumer.clone(), id.clone(), position).await;
                 match &outcome {
                     Outcome::Failed { reason, .. } if reason.contains("could not serialize") => {}
                     Outcome::InProgress { .. } => {}
@@ -547,4 +504,34 @@ async fn racing_messages_of_one_key_through_deliver_never_apply_out_of_order() {
     assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
     assert_eq!(seen.last(), positions.iter().max());
     done(schema, inbox).await;
+}
+
+/// The race through `Consumer::process` (the ID and the position recorded in one call).
+#[tokio::test]
+async fn racing_messages_of_one_key_through_process_never_apply_out_of_order() {
+    race_on_one_key(async |consumer: Consumer, id: String, position: i64| {
+        consumer
+            .process(
+                &Message::new(Some(&id)).ordered("k", position),
+                async |c: &mut PgConnection| apply(c, "k", position).await,
+            )
+            .await
+    })
+    .await;
+}
+
+/// The race through `Consumer::deliver` (leased claims, the position moved in the statement
+/// that finishes the claim).
+#[tokio::test]
+async fn racing_messages_of_one_key_through_deliver_never_apply_out_of_order() {
+    race_on_one_key(async |consumer: Consumer, id: String, position: i64| {
+        consumer
+            .deliver(
+                &Message::new(Some(&id)).ordered("k", position),
+                async || Ok::<_, sqlx::Error>(()),
+                async |c: &mut PgConnection, ()| apply(c, "k", position).await,
+            )
+            .await
+    })
+    .await;
 }
