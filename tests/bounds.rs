@@ -12,7 +12,7 @@ use support::{Calls, PgSchema, read, req};
 use tower::{Layer, ServiceExt};
 use tower_idempotency::inbox::{Delivery, Inbox};
 use tower_idempotency::{
-    ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyLayer, Mode, PostgresStore, Store,
+    ClaimOutcome, ClaimRequest, ClaimStrategy, Fingerprint, IdempotencyKey, IdempotencyLayer, Mode, PostgresStore, Store,
     StoreError,
 };
 
@@ -199,12 +199,28 @@ async fn transactional_handlers_keep_their_own_timeouts() {
     schema.drop_schema().await;
 }
 
+/// The name a statement prepared by the store stands for: `tower_idempotency_` and the FNV-1a
+/// digest (64 bits) of its parameter types and its text, each ended by a NUL byte.
+fn name_of(types: &[&str], body: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in types.iter().copied().chain([body]) {
+        for &b in part.as_bytes().iter().chain(b"\0") {
+            hash ^= u64::from(b);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    format!("tower_idempotency_{hash:016x}")
+}
+
 /// Every statement the crate sends — migrate, the claim, replay, mismatch, complete, release,
-/// renew, purge, transactional mode, the inbox — leaves no named prepared statement on the
-/// connection. (A named statement outlives the transaction: behind a pooler in transaction
-/// mode, the next client on that server connection meets it.)
+/// renew, purge, transactional mode, the inbox — leaves on the connection no prepared
+/// statement but the store's own, made with SQL `PREPARE` under a name that stands for its
+/// text. (A prepared statement outlives the transaction: behind a pooler in transaction mode,
+/// the next client on that server connection meets it. A name of the protocol's kind,
+/// `sqlx_s_1`, would there run another client's statement; a name that is a digest of the
+/// text runs the statement its caller means.)
 #[tokio::test]
-async fn the_crate_leaves_no_prepared_statement_on_its_connections() {
+async fn the_crate_prepares_statements_only_under_names_that_stand_for_their_text() {
     let schema = PgSchema::new().await;
     // One connection: every statement below runs on it.
     let pool = schema.pool(1).await;
@@ -212,24 +228,31 @@ async fn the_crate_leaves_no_prepared_statement_on_its_connections() {
     store.migrate().await.unwrap();
 
     let calls = Calls::default();
-    let plain = IdempotencyLayer::new(store.clone())
-        .with_lease(Duration::from_millis(300))
-        .layer(support::handler(calls.clone()));
-    for (uri, key, body) in [
-        ("/pay", "a", "x"),
-        ("/pay", "a", "x"),         // replay
-        ("/pay", "a", "other"),     // mismatch
-        ("/fail", "b", "x"),        // 5xx: released
-        ("/slow?ms=400", "c", "x"), // renewed
+    for (scope, strategy) in [
+        ("combined", ClaimStrategy::Combined),
+        ("read-first", ClaimStrategy::ReadFirst),
+        ("insert-first", ClaimStrategy::InsertFirst),
     ] {
-        let _ = read(
-            plain
-                .clone()
-                .oneshot(req("POST", uri, Some(key), body))
-                .await
-                .unwrap(),
-        )
-        .await;
+        let plain = IdempotencyLayer::new(store.clone().with_claim_strategy(strategy))
+            .with_lease(Duration::from_millis(300))
+            .with_scope(move |_| Some(scope.to_owned()))
+            .layer(support::handler(calls.clone()));
+        for (uri, key, body) in [
+            ("/pay", "a", "x"),
+            ("/pay", "a", "x"),         // replay
+            ("/pay", "a", "other"),     // mismatch
+            ("/fail", "b", "x"),        // 5xx: released
+            ("/slow?ms=400", "c", "x"), // renewed
+        ] {
+            let _ = read(
+                plain
+                    .clone()
+                    .oneshot(req("POST", uri, Some(key), body))
+                    .await
+                    .unwrap(),
+            )
+            .await;
+        }
     }
     store.purge_expired(10).await.unwrap();
     let tx = IdempotencyLayer::new(store.transactional()).layer(support::handler(calls.clone()));
@@ -266,22 +289,141 @@ async fn the_crate_leaves_no_prepared_statement_on_its_connections() {
         .await
         .unwrap();
 
-    let named: Vec<String> = sqlx::raw_sql("SELECT name FROM pg_prepared_statements")
-        .fetch_all(&pool)
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert!(
-        named.is_empty(),
-        "prepared statements left behind: {named:?}"
+    let prepared = sqlx::raw_sql(
+        "SELECT name, statement, from_sql, parameter_types::text[] FROM pg_prepared_statements",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        prepared.len(),
+        3,
+        "the read and the insert of a claim in two statements, and the completion, run \
+         prepared; the calls of the store's functions are sent as text"
     );
+    for row in &prepared {
+        let name: String = row.get(0);
+        let statement: String = row.get(1);
+        let from_sql: bool = row.get(2);
+        let types: Vec<String> = row.get(3);
+        assert!(from_sql, "{name}: prepared over the protocol");
+        // `statement` is the whole message that prepared it: the store's settings, then
+        // `PREPARE name(types) AS body; EXECUTE name(values)`.
+        let body = statement
+            .split_once(&format!("PREPARE {name}"))
+            .and_then(|(_, rest)| rest.split_once(" AS "))
+            .and_then(|(_, rest)| rest.split_once(&format!("; EXECUTE {name}")))
+            .map(|(body, _)| body)
+            .unwrap_or_else(|| panic!("{statement}"));
+        let types: Vec<&str> = types.iter().map(String::as_str).collect();
+        assert_eq!(name, name_of(&types, body), "{statement}");
+    }
     assert_eq!(
         calls.get("/pay"),
-        2,
-        "one plain, one transactional first request"
+        4,
+        "one plain first request per strategy, one transactional"
     );
+    pool.close().await;
+    schema.drop_schema().await;
+}
+
+/// Two stores of two schemas sharing one server connection (as two applications' clients of
+/// one pooler do) run the same prepared statements, each in its own schema: every message
+/// pins the statement's `search_path` to its store's schema, and Postgres analyses a prepared
+/// statement again when it runs under another path than before. The connection's own path
+/// does not matter once a store knows its schema.
+#[tokio::test]
+async fn stores_of_two_schemas_on_one_server_connection_each_use_their_own() {
+    let a = PgSchema::new().await;
+    let b = PgSchema::new().await;
+    a.store().await;
+    b.store().await;
+    // One connection, straight to the server: every statement below runs on it.
+    let pool = a.direct_pool(1).await;
+    let path = |schema: &str| {
+        let pool = pool.clone();
+        let sql = format!("SET search_path = {schema}");
+        async move {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    };
+    // The claim in two statements: both sent prepared by name.
+    let store = || {
+        PostgresStore::new(pool.clone())
+            .with_notifications(false)
+            .with_claim_strategy(ClaimStrategy::ReadFirst)
+    };
+    let (store_a, store_b) = (store(), store());
+    let key = IdempotencyKey::parse("k").unwrap();
+    let claim = |store: &PostgresStore, fingerprint: u8| {
+        let store = store.clone();
+        let key = key.clone();
+        async move {
+            store
+                .claim(ClaimRequest {
+                    scope: "s",
+                    key: &key,
+                    fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
+                    lease: Duration::from_secs(30),
+                    ttl: Duration::from_secs(3600),
+                })
+                .await
+                .unwrap()
+        }
+    };
+
+    // Each store learns its schema from the path at its first statement.
+    path(&a.name).await;
+    assert!(matches!(
+        claim(&store_a, 1).await,
+        ClaimOutcome::Acquired { .. }
+    ));
+    path(&b.name).await;
+    assert!(
+        matches!(claim(&store_b, 2).await, ClaimOutcome::Acquired { .. }),
+        "the statements {} prepared claim the key in {}",
+        a.name,
+        b.name
+    );
+    // The connection's path names b: each store still works in its own schema.
+    assert!(matches!(claim(&store_a, 2).await, ClaimOutcome::Mismatch));
+    assert!(matches!(claim(&store_b, 1).await, ClaimOutcome::Mismatch));
+    assert!(matches!(claim(&store_a, 1).await, ClaimOutcome::InFlight { .. }));
+    pool.close().await;
+    a.drop_schema().await;
+    b.drop_schema().await;
+}
+
+/// A statement dropped from the server connection behind the store's back (`DEALLOCATE ALL`,
+/// as a pooler's reset query or another client may send) is prepared again at its next use.
+#[tokio::test]
+async fn a_statement_deallocated_behind_the_stores_back_is_prepared_again() {
+    let schema = PgSchema::new().await;
+    schema.store().await;
+    let pool = schema.direct_pool(1).await;
+    let store = PostgresStore::new(pool.clone()).with_notifications(false);
+    let calls = Calls::default();
+    let svc = IdempotencyLayer::new(store).layer(support::handler(calls.clone()));
+    for (key, deallocate) in [("a", false), ("a", true), ("b", true), ("b", false)] {
+        if deallocate {
+            sqlx::raw_sql("DEALLOCATE ALL")
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        let answer = read(
+            svc.clone()
+                .oneshot(req("POST", "/pay", Some(key), "x"))
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(answer.status, 201, "{key}: {}", answer.text());
+    }
+    assert_eq!(calls.get("/pay"), 2, "one run per key");
     pool.close().await;
     schema.drop_schema().await;
 }

@@ -1,3 +1,4 @@
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -11,7 +12,7 @@ use sqlx::{AssertSqlSafe, PgPool, Row};
 pub(crate) mod phases;
 
 use super::listen::{PURGE_WAITING, PgNotifier};
-use super::sql::{Lit, append, push_bounds};
+use super::sql::{Lit, append, prepared_name, push_bounds, push_execute};
 use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store};
 use crate::error::StoreError;
 use crate::key::IdempotencyKey;
@@ -154,6 +155,10 @@ pub struct PostgresStore {
     prepared: bool,
     /// Wake-ups for waiting duplicates ([`PostgresStore::with_notifications`]).
     notifier: Option<Arc<PgNotifier>>,
+    /// The store's schema, quoted as an identifier: the schema of the function
+    /// `tower_idempotency_now()` that the connection's `search_path` finds, looked up at the
+    /// first statement sent prepared by name ([`PostgresStore::run_named`]).
+    schema: Arc<tokio::sync::OnceCell<String>>,
 }
 
 /// The default `statement_timeout` of the store's statements.
@@ -205,6 +210,7 @@ impl PostgresStore {
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             prepared: false,
             notifier: Some(notifier),
+            schema: Arc::default(),
         }
     }
 
@@ -315,7 +321,110 @@ impl PostgresStore {
         Ok(sql)
     }
 
+    /// The message that runs `template`, prepared by `name` on the server connection that
+    /// receives it (and prepared first when `prepare` is set), after the store's settings.
+    ///
+    /// The plan settings make the plan the same whatever the table's statistics say, and keep
+    /// it: a statement prepared while the table was empty (or analyzed so) would otherwise be
+    /// planned as a sequential scan, and the plan kept for the life of the server connection
+    /// reads the whole table on every call once it has grown (`tests/plans.rs`). A generic
+    /// plan is made once, at the first `EXECUTE`, under these settings, and again only when
+    /// something it depends on changes (a migration, an `ANALYZE`), under the same settings,
+    /// since every message carries them.
+    ///
+    /// The message also pins the statement's `search_path` to the store's schema, as the
+    /// store's functions pin their own: an application schema ahead on the connection's path
+    /// (a table named like the store's, a `nextval` of its own) cannot change what it reads
+    /// or writes. Postgres analyses a prepared statement again whenever it runs under another
+    /// path than it was analysed with, so a statement prepared by the store of another schema
+    /// on a pooler's shared server connection reads this store's tables.
+    fn named_message(
+        &self,
+        bare: &Bare,
+        schema: &str,
+        name: &str,
+        args: &[Lit<'_>],
+        prepare: bool,
+    ) -> Result<String, StoreError> {
+        let hint: usize = args.iter().map(Lit::len_hint).sum();
+        let extra = if prepare { bare.text.len() + 64 } else { 0 };
+        let mut sql = String::with_capacity(320 + hint + extra);
+        sql.push_str("SET LOCAL transaction_isolation = 'read committed'; ");
+        let _ = write!(
+            sql,
+            "SET LOCAL search_path = pg_catalog, {schema}, pg_temp; "
+        );
+        let lock = if bare.locks {
+            self.lock_timeout
+        } else {
+            Duration::ZERO
+        };
+        push_bounds(&mut sql, self.statement_timeout, lock);
+        sql.push_str(
+            "SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off; ",
+        );
+        push_execute(&mut sql, name, bare.text, args, prepare)?;
+        Ok(sql)
+    }
+
+    /// Runs `template` as a statement prepared by name on the server connection that runs it
+    /// (SQL `PREPARE` and `EXECUTE` over the simple protocol), and returns its rows.
+    ///
+    /// Over the simple protocol Postgres parses, analyses and plans every statement it is
+    /// sent; a prepared statement is planned once per server connection, which is most of
+    /// what a replay costs the database. Unlike the extended protocol's prepared statements,
+    /// whose names belong to the client connection and which a pooler in transaction mode
+    /// carries to server connections that hold another client's statement of that name, a
+    /// statement prepared here is named by its own text ([`prepared_name`]): found on any
+    /// server connection, it is the statement meant. Where a server connection does not hold
+    /// it yet (`26000`), the message is sent again with the `PREPARE` in front; where that
+    /// meets the statement prepared meanwhile by another client of a pooler (`42P05`), it is
+    /// sent again without. After a few rounds of that (a pooler with many server connections,
+    /// each met for the first time), the statement is sent unprepared, as text, for this call.
+    async fn run_named(&self, bare: &Bare, args: &[Lit<'_>]) -> Result<Vec<PgRow>, StoreError> {
+        let schema = self
+            .schema
+            .get_or_try_init(|| async {
+                sqlx::raw_sql(SCHEMA_OF_THE_STORE)
+                    .fetch_one(&self.pool)
+                    .await
+                    .and_then(|row| row.try_get::<String, _>(0))
+                    .map_err(|e| self.error(e))
+            })
+            .await?;
+        let name = prepared_name(bare.text, args);
+        let mut prepare = false;
+        for _ in 0..NAMED_ATTEMPTS {
+            let sql = self.named_message(bare, schema, &name, args, prepare)?;
+            match sqlx::raw_sql(AssertSqlSafe(sql))
+                .fetch_all(&self.pool)
+                .await
+            {
+                Err(e) if !prepare && sqlstate_is(&e, NOT_PREPARED) => prepare = true,
+                Err(e) if prepare && sqlstate_is(&e, ALREADY_PREPARED) => prepare = false,
+                other => return other.map_err(|e| self.error(e)),
+            }
+        }
+        let mut sql = self.statement("", &[])?;
+        let _ = write!(
+            sql,
+            "SET LOCAL search_path = pg_catalog, {schema}, pg_temp; "
+        );
+        if bare.locks {
+            push_bounds(&mut sql, Duration::ZERO, self.lock_timeout);
+        }
+        append(&mut sql, bare.text, args)?;
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| self.error(e))
+    }
+
     /// Runs `template` and returns its rows (the settings sent before it return none).
+    ///
+    /// The store's function calls are sent as text: Postgres plans a call of a function in
+    /// microseconds (the function keeps its own statements' plans per server connection), so
+    /// preparing the call gains nothing measurable (BENCHMARKS.md).
     async fn rows(
         &self,
         template: &'static str,
@@ -389,20 +498,25 @@ impl PostgresStore {
     }
 
     async fn read(&self, req: &ClaimRequest<'_>) -> Result<Option<PgRow>, StoreError> {
-        Ok(self
-            .rows(READ, &claim_args(req, self.lock_timeout))
-            .await?
-            .into_iter()
-            .next())
+        let args = claim_args(req, self.lock_timeout);
+        let rows = if self.prepared {
+            self.rows(READ.text, &args[..3]).await?
+        } else {
+            self.run_named(&READ, &args[..3]).await?
+        };
+        Ok(rows.into_iter().next())
     }
 
     /// The token of a fresh claim, or `None` when the key exists.
     async fn insert(&self, req: &ClaimRequest<'_>) -> Result<Option<i64>, StoreError> {
-        match self
-            .rows(INSERT, &claim_args(req, self.lock_timeout))
-            .await?
-            .first()
-        {
+        let args = claim_args(req, self.lock_timeout);
+        if !self.prepared {
+            return match self.run_named(&INSERT, &args[..5]).await?.first() {
+                Some(row) => Ok(Some(row.try_get("inserted")?)),
+                None => Ok(None),
+            };
+        }
+        match self.rows(INSERT_CALL, &args).await?.first() {
             Some(row) => Ok(row.try_get("inserted")?),
             None => Err(StoreError::Corrupt("the insert returned no row".into())),
         }
@@ -415,12 +529,16 @@ impl PostgresStore {
     /// snapshot: the token condition decides anew.
     async fn execute_token_statement(
         &self,
-        template: &'static str,
+        statement: TokenStatement<'_>,
         args: &[Lit<'_>],
     ) -> Result<u64, StoreError> {
         let mut attempts = 1;
         loop {
-            match self.rows(template, args).await {
+            let rows = match statement {
+                TokenStatement::Call(template) => self.rows(template, args).await,
+                TokenStatement::Bare(bare) => self.run_named(bare, args).await,
+            };
+            match rows {
                 Ok(rows) => {
                     let changed = match rows.first() {
                         Some(row) => row.try_get::<i64, _>("changed")?,
@@ -557,6 +675,16 @@ fn claim_args<'a>(req: &'a ClaimRequest<'a>, lock_timeout: Duration) -> [Lit<'a>
     ]
 }
 
+/// SQLSTATE `invalid_sql_statement_name`: here, `EXECUTE` of a statement the server
+/// connection has not prepared.
+const NOT_PREPARED: &str = "26000";
+/// SQLSTATE `duplicate_prepared_statement`: a `PREPARE` of a statement the server connection
+/// holds already.
+const ALREADY_PREPARED: &str = "42P05";
+/// How many messages [`PostgresStore::run_named`] sends before it sends the statement
+/// unprepared: `EXECUTE`, `PREPARE` with `EXECUTE`, and once more each way.
+const NAMED_ATTEMPTS: usize = 4;
+
 /// SQLSTATE `query_canceled`: here, a statement cancelled at `statement_timeout`.
 const QUERY_CANCELED: &str = "57014";
 /// SQLSTATE `lock_not_available`: here, a lock not granted within `lock_timeout`.
@@ -637,12 +765,63 @@ pub(crate) fn db_error(err: sqlx::Error) -> StoreError {
 /// (ms), `$5` time to live (ms), `$6` lock timeout (ms).
 const CLAIM: &str = "SELECT * FROM tower_idempotency_plain_claim($1, $2, $3, $4, $5, $6)";
 
-/// The read alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`].
-const READ: &str = "SELECT * FROM tower_idempotency_plain_read($1, $2, $3, $6)";
+/// The schema of the store's functions as the connection's `search_path` finds them (where
+/// its calls of them go), quoted as an identifier.
+const SCHEMA_OF_THE_STORE: &str = "\
+SELECT pg_catalog.quote_ident(n.nspname) \
+  FROM pg_catalog.pg_proc AS p JOIN pg_catalog.pg_namespace AS n ON n.oid = p.pronamespace \
+ WHERE p.oid = 'tower_idempotency_now()'::pg_catalog.regprocedure";
 
-/// The insert alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`]:
-/// the new record's token, or `NULL` when the key exists.
-const INSERT: &str = "SELECT tower_idempotency_plain_insert($1, $2, $3, $4, $5, $6) AS inserted";
+/// A statement of the store written out in SQL (not a call of one of its functions), sent
+/// prepared by name ([`PostgresStore::run_named`]): planning such a statement is most of what
+/// it costs the database, and a prepared one is planned once per server connection.
+struct Bare {
+    /// The statement, its values as `$1`…`$n`.
+    text: &'static str,
+    /// Whether it can wait for a row lock (another transaction writing the key's row), so
+    /// that its message sets the store's `lock_timeout`.
+    locks: bool,
+}
+
+/// The read alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`]: a
+/// bare `SELECT` by key (it takes no lock, so it needs no lock bound), with the columns
+/// [`decide`] reads. `$1` scope, `$2` key, `$3` fingerprint.
+const READ: Bare = Bare {
+    locks: false,
+    text: READ_TEXT,
+};
+const READ_TEXT: &str = "\
+SELECT k.fingerprint, k.lease_token, k.expires_at <= tower_idempotency_now() AS expired, \
+       (k.expires_at <= tower_idempotency_now() \
+        OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= tower_idempotency_now() \
+            AND k.fingerprint = $3)) AS claimable, \
+       (extract(epoch FROM k.lease_expires_at - tower_idempotency_now()) * 1000)::bigint \
+           AS lease_left_ms, \
+       k.response_status, k.response_headers, k.response_body \
+  FROM tower_idempotency_keys AS k WHERE k.scope = $1 AND k.key = $2";
+
+/// The insert alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`]
+/// with prepared statements ([`PostgresStore::with_prepared_statements`]), a call of the
+/// function that bounds its own lock wait: the new record's token, or `NULL` when the key
+/// exists.
+const INSERT_CALL: &str =
+    "SELECT tower_idempotency_plain_insert($1, $2, $3, $4, $5, $6) AS inserted";
+
+/// The insert alone, sent prepared by name: one row with the new record's token, or none
+/// when the key exists. It waits for a concurrent insert of the same key to commit or roll
+/// back (a transactional-mode request holds its row for as long as its handler runs), so its
+/// message bounds the wait.
+const INSERT: Bare = Bare {
+    locks: true,
+    text: "\
+INSERT INTO tower_idempotency_keys AS k \
+       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at) \
+VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'), \
+        tower_idempotency_now() + $4::float8 * interval '1 millisecond', \
+        tower_idempotency_now() + $5::float8 * interval '1 millisecond') \
+ON CONFLICT (scope, key) DO NOTHING \
+RETURNING k.lease_token AS inserted",
+};
 
 /// Takes over a record that is expired or whose lease ran out. The condition is checked
 /// again on the row's latest version, so of two requests taking over at once, one wins; the
@@ -651,13 +830,50 @@ const TAKEOVER: &str =
     "SELECT tower_idempotency_plain_takeover($1, $2, $3, $4, $5, $6) AS lease_token";
 
 /// Stores the answer while `$3` (the token) holds the record: `$4` time to live (ms), `$5`
-/// status, `$6` headers, `$7` body, `$8` lock timeout (ms). Returns the rows changed.
-const COMPLETE: &str = "SELECT tower_idempotency_plain_complete(\
+/// status, `$6` headers, `$7` body, `$8` lock timeout (ms). Returns the rows changed. With
+/// prepared statements; otherwise [`COMPLETE`].
+const COMPLETE_CALL: &str = "SELECT tower_idempotency_plain_complete(\
      $1, $2, $3, $4, $5::smallint, $6, $7, $8) AS changed";
 
-/// [`COMPLETE`], also waking the key's waiters: `$9` the key's hash.
-const COMPLETE_WAKE: &str = "SELECT tower_idempotency_plain_complete(\
+/// [`COMPLETE_CALL`], also waking the key's waiters: `$9` the key's hash.
+const COMPLETE_WAKE_CALL: &str = "SELECT tower_idempotency_plain_complete(\
      $1, $2, $3, $4, $5::smallint, $6, $7, $8, $9) AS changed";
+
+/// Stores the answer while `$3` (the token) holds the record, sent prepared by name: `$4`
+/// time to live (ms), `$5` status, `$6` headers, `$7` body. Returns the rows changed. It
+/// waits for the row when another transaction holds it, so its message bounds the wait.
+const COMPLETE: Bare = Bare {
+    locks: true,
+    text: "\
+WITH done AS (\
+  UPDATE tower_idempotency_keys \
+     SET lease_token = NULL, lease_expires_at = NULL, completed_at = tower_idempotency_now(), \
+         expires_at = tower_idempotency_now() + $4::float8 * interval '1 millisecond', \
+         response_status = $5::smallint, response_headers = $6, response_body = $7 \
+   WHERE scope = $1 AND key = $2 AND lease_token = $3 \
+  RETURNING 1) \
+SELECT count(*) AS changed FROM done",
+};
+
+/// [`COMPLETE`], also waking the key's waiters: `$8` the key's hash, notified (at the commit)
+/// when the answer was stored and someone registered that hash to wait for it.
+const COMPLETE_WAKE: Bare = Bare {
+    locks: true,
+    text: "\
+WITH done AS (\
+  UPDATE tower_idempotency_keys \
+     SET lease_token = NULL, lease_expires_at = NULL, completed_at = tower_idempotency_now(), \
+         expires_at = tower_idempotency_now() + $4::float8 * interval '1 millisecond', \
+         response_status = $5::smallint, response_headers = $6, response_body = $7 \
+   WHERE scope = $1 AND key = $2 AND lease_token = $3 \
+  RETURNING 1) \
+SELECT count(*) AS changed, \
+       (SELECT pg_notify('tower_idempotency', $8::text) \
+         WHERE EXISTS (SELECT FROM done) \
+           AND EXISTS (SELECT FROM tower_idempotency_waiting \
+                        WHERE hash = $8 AND until > tower_idempotency_now())) AS woke \
+  FROM done",
+};
 
 /// Deletes the record while `$3` (the token) holds it; `$4` lock timeout (ms).
 const RELEASE: &str = "SELECT tower_idempotency_plain_release($1, $2, $3, $4) AS changed";
@@ -683,6 +899,17 @@ DELETE FROM tower_idempotency_keys
         ORDER BY expires_at
         LIMIT $1
           FOR UPDATE SKIP LOCKED))";
+
+/// A statement that acts on a claimed key, as [`PostgresStore::execute_token_statement`]
+/// sends it.
+#[derive(Clone, Copy)]
+enum TokenStatement<'a> {
+    /// A call of one of the store's functions, sent as text (or prepared, with
+    /// [`PostgresStore::with_prepared_statements`]).
+    Call(&'static str),
+    /// A statement in SQL, prepared by name.
+    Bare(&'a Bare),
+}
 
 /// How often a claim that lost a race is run again before giving up with "in flight".
 const CLAIM_ATTEMPTS: usize = 4;
@@ -824,9 +1051,28 @@ impl Store for PostgresStore {
             Lit::Int(millis(self.lock_timeout)),
             Lit::Int(self.notification(scope, key).unwrap_or_default()),
         ];
-        let done = match self.notifier {
-            Some(_) => self.execute_token_statement(COMPLETE_WAKE, &args).await?,
-            None => self.execute_token_statement(COMPLETE, &args[..8]).await?,
+        let done = match (self.prepared, self.notifier.is_some()) {
+            (true, true) => {
+                self.execute_token_statement(TokenStatement::Call(COMPLETE_WAKE_CALL), &args)
+                    .await?
+            }
+            (true, false) => {
+                self.execute_token_statement(TokenStatement::Call(COMPLETE_CALL), &args[..8])
+                    .await?
+            }
+            (false, wake) => {
+                // The bare statements bound their lock wait in their message: no `$8`.
+                let mut bare_args = [args[0]; 8];
+                bare_args[..7].copy_from_slice(&args[..7]);
+                bare_args[7] = args[8];
+                let (statement, n) = if wake {
+                    (&COMPLETE_WAKE, 8)
+                } else {
+                    (&COMPLETE, 7)
+                };
+                self.execute_token_statement(TokenStatement::Bare(statement), &bare_args[..n])
+                    .await?
+            }
         };
         Ok(done == 1)
     }
@@ -845,8 +1091,14 @@ impl Store for PostgresStore {
             Lit::Int(self.notification(scope, key).unwrap_or_default()),
         ];
         let done = match self.notifier {
-            Some(_) => self.execute_token_statement(RELEASE_WAKE, &args).await?,
-            None => self.execute_token_statement(RELEASE, &args[..4]).await?,
+            Some(_) => {
+                self.execute_token_statement(TokenStatement::Call(RELEASE_WAKE), &args)
+                    .await?
+            }
+            None => {
+                self.execute_token_statement(TokenStatement::Call(RELEASE), &args[..4])
+                    .await?
+            }
         };
         Ok(done == 1)
     }
@@ -865,7 +1117,9 @@ impl Store for PostgresStore {
             Lit::Int(millis(lease)),
             Lit::Int(millis(self.lock_timeout)),
         ];
-        let done = self.execute_token_statement(RENEW, &args).await?;
+        let done = self
+            .execute_token_statement(TokenStatement::Call(RENEW), &args)
+            .await?;
         Ok(done == 1)
     }
 

@@ -50,6 +50,15 @@ impl Lit<'_> {
         Ok(())
     }
 
+    /// The SQL type of the value: the type of its parameter in a prepared statement.
+    fn sql_type(&self) -> &'static str {
+        match self {
+            Lit::Text(_) => "text",
+            Lit::Bytes(_) | Lit::MaybeBytes(_) => "bytea",
+            Lit::Int(_) => "bigint",
+        }
+    }
+
     /// About how long the literal is.
     pub(crate) fn len_hint(&self) -> usize {
         match *self {
@@ -93,6 +102,68 @@ pub(crate) fn append(sql: &mut String, template: &str, args: &[Lit<'_>]) -> Resu
         rest = &after[digits..];
     }
     sql.push_str(rest);
+    Ok(())
+}
+
+/// The name under which `body`, with parameters of the types of `args`, is prepared on a
+/// server connection: `tower_idempotency_` and a 64-bit FNV-1a digest of the parameter types
+/// and the text. The name stands for the text alone, so whichever client of a pooler finds the
+/// statement prepared on a shared server connection finds the statement it means. (Names are
+/// resolved again when a statement runs under another `search_path` than it was prepared with:
+/// Postgres analyses a prepared statement anew whenever the path differs.)
+pub(crate) fn prepared_name(body: &str, args: &[Lit<'_>]) -> String {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut hash = OFFSET;
+    let mut add = |part: &str| {
+        for &b in part.as_bytes().iter().chain(b"\0") {
+            hash ^= u64::from(b);
+            hash = hash.wrapping_mul(PRIME);
+        }
+    };
+    for arg in args {
+        add(arg.sql_type());
+    }
+    add(body);
+    format!("tower_idempotency_{hash:016x}")
+}
+
+/// Appends `EXECUTE name(args)` for the statement `body` (its placeholders `$1`…`$n` taking
+/// `args` in order), preceded, when `prepare` is set, by `PREPARE name(types) AS body`.
+///
+/// A prepared statement lives on the server connection, not in the message: behind a pooler
+/// in transaction mode the next message may reach a server connection where it is not
+/// prepared (`26000`), or where a `PREPARE` meets the statement another client prepared
+/// (`42P05`); the caller runs the message again the other way. Either way each message is
+/// whole in itself, so a pooler carries it safely.
+pub(crate) fn push_execute(
+    sql: &mut String,
+    name: &str,
+    body: &str,
+    args: &[Lit<'_>],
+    prepare: bool,
+) -> Result<(), StoreError> {
+    if prepare {
+        let _ = write!(sql, "PREPARE {name}");
+        for (i, arg) in args.iter().enumerate() {
+            sql.push_str(if i == 0 { "(" } else { ", " });
+            sql.push_str(arg.sql_type());
+        }
+        sql.push_str(if args.is_empty() { " AS " } else { ") AS " });
+        sql.push_str(body);
+        sql.push_str("; ");
+    }
+    let _ = write!(sql, "EXECUTE {name}");
+    if !args.is_empty() {
+        sql.push('(');
+        for (i, arg) in args.iter().enumerate() {
+            if i > 0 {
+                sql.push_str(", ");
+            }
+            arg.push(sql)?;
+        }
+        sql.push(')');
+    }
     Ok(())
 }
 
@@ -211,6 +282,30 @@ mod tests {
         assert_eq!(sql, "convert_from(decode('c3a974c3a927','hex'),'UTF8')");
         assert!(sql.is_ascii());
         assert!(push_text(&mut String::new(), "a\0b").is_err());
+    }
+
+    #[test]
+    fn a_prepared_statement_is_named_by_its_text_and_types_and_prepared_before_it_runs() {
+        let args = [Lit::Text("k"), Lit::Int(-1), Lit::MaybeBytes(None)];
+        let name = prepared_name("SELECT $1, $2, $3", &args);
+        assert!(name.starts_with("tower_idempotency_") && name.len() == 34, "{name}");
+        assert_eq!(name, prepared_name("SELECT $1, $2, $3", &args));
+        assert_ne!(name, prepared_name("SELECT $1, $2, $3 ", &args));
+        let other_types = [Lit::Text("k"), Lit::Int(-1), Lit::Text("")];
+        assert_ne!(name, prepared_name("SELECT $1, $2, $3", &other_types));
+
+        let mut sql = String::new();
+        push_execute(&mut sql, "p", "SELECT $1, $2, $3", &args, false).unwrap();
+        assert_eq!(sql, "EXECUTE p(E'k', (-1), NULL)");
+        let mut sql = String::new();
+        push_execute(&mut sql, "p", "SELECT $1, $2, $3", &args, true).unwrap();
+        assert_eq!(
+            sql,
+            "PREPARE p(text, bigint, bytea) AS SELECT $1, $2, $3; EXECUTE p(E'k', (-1), NULL)"
+        );
+        let mut sql = String::new();
+        push_execute(&mut sql, "p", "SELECT 1", &[], true).unwrap();
+        assert_eq!(sql, "PREPARE p AS SELECT 1; EXECUTE p");
     }
 
     #[test]

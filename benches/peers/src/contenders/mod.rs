@@ -12,6 +12,8 @@ use std::pin::Pin;
 use anyhow::Result;
 use axum::Router;
 
+use tower_idempotency::ClaimStrategy;
+
 use crate::app::Counters;
 
 pub use self::axum_idempotent::COOKIE as SESSION_COOKIE;
@@ -22,6 +24,8 @@ pub enum Kind {
     None,
     Tower,
     TowerPrepared,
+    TowerReadFirst,
+    TowerInsertFirst,
     TowerMemory,
     Cratestack,
     AxumIdempotent,
@@ -72,6 +76,22 @@ pub const ALL: &[Contender] = &[
         storage: Storage::Postgres,
         version: tower_idem::VERSION,
         config: "as tower-idempotency, with PostgresStore::new(pool).with_prepared_statements(true)",
+    },
+    Contender {
+        name: "tower-idempotency-read-first",
+        kind: Kind::TowerReadFirst,
+        storage: Storage::Postgres,
+        version: tower_idem::VERSION,
+        config: "as tower-idempotency, with \
+                 PostgresStore::new(pool).with_claim_strategy(ClaimStrategy::ReadFirst)",
+    },
+    Contender {
+        name: "tower-idempotency-insert-first",
+        kind: Kind::TowerInsertFirst,
+        storage: Storage::Postgres,
+        version: tower_idem::VERSION,
+        config: "as tower-idempotency, with \
+                 PostgresStore::new(pool).with_claim_strategy(ClaimStrategy::InsertFirst)",
     },
     Contender {
         name: "tower-idempotency-memory",
@@ -156,8 +176,16 @@ pub async fn build(kind: Kind, counters: Counters, db_url: &str) -> Result<Built
     let routes = crate::app::routes(counters);
     match kind {
         Kind::None => Ok(Built::without_pool(routes)),
-        Kind::Tower => tower_idem::postgres(routes, db_url, false).await,
-        Kind::TowerPrepared => tower_idem::postgres(routes, db_url, true).await,
+        Kind::Tower => tower_idem::postgres(routes, db_url, false, ClaimStrategy::default()).await,
+        Kind::TowerPrepared => {
+            tower_idem::postgres(routes, db_url, true, ClaimStrategy::default()).await
+        }
+        Kind::TowerReadFirst => {
+            tower_idem::postgres(routes, db_url, false, ClaimStrategy::ReadFirst).await
+        }
+        Kind::TowerInsertFirst => {
+            tower_idem::postgres(routes, db_url, false, ClaimStrategy::InsertFirst).await
+        }
         Kind::TowerMemory => Ok(Built::without_pool(tower_idem::memory(routes))),
         Kind::Cratestack => cratestack::postgres(routes, db_url).await,
         Kind::AxumIdempotent => axum_idempotent::postgres(routes, db_url).await,

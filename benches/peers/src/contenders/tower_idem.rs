@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use axum::Router;
 use sqlx::postgres::PgPoolOptions;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, PostgresStore};
+use tower_idempotency::{ClaimStrategy, IdempotencyLayer, MemoryStore, PostgresStore};
 
 use super::{Built, POOL_SIZE};
 use crate::app::Principal;
@@ -21,13 +21,20 @@ fn layer<St: Clone>(store: St) -> IdempotencyLayer<St> {
         .with_scope_required(true)
 }
 
-pub async fn postgres(routes: Router, db_url: &str, prepared: bool) -> Result<Built> {
+pub async fn postgres(
+    routes: Router,
+    db_url: &str,
+    prepared: bool,
+    strategy: ClaimStrategy,
+) -> Result<Built> {
     let pool = PgPoolOptions::new()
         .max_connections(POOL_SIZE)
         .connect(db_url)
         .await
         .with_context(|| format!("tower-idempotency: connecting to {db_url}"))?;
-    let store = PostgresStore::new(pool.clone()).with_prepared_statements(prepared);
+    let store = PostgresStore::new(pool.clone())
+        .with_prepared_statements(prepared)
+        .with_claim_strategy(strategy);
     store
         .migrate()
         .await
