@@ -475,14 +475,16 @@ async fn plain_mode_counts(strategy: ClaimStrategy, expected: Expected) {
              SET LOCAL statement_timeout = 5000; SELECT ",
         );
         // (The read takes no lock: its message sets no lock bound.)
-        let prepared = q.replace("SET LOCAL lock_timeout = 1000; ", "").starts_with(&format!(
-            "SET LOCAL transaction_isolation = 'read committed'; \
+        let prepared = q
+            .replace("SET LOCAL lock_timeout = 1000; ", "")
+            .starts_with(&format!(
+                "SET LOCAL transaction_isolation = 'read committed'; \
              SET LOCAL search_path = pg_catalog, {}, pg_temp; \
              SET LOCAL statement_timeout = 5000; \
              SET LOCAL plan_cache_mode = force_generic_plan; \
              SET LOCAL enable_seqscan = off; EXECUTE tower_idempotency_",
-            schema.name
-        ));
+                schema.name
+            ));
         assert!(call || prepared, "{q}");
         assert!(!q.contains("PREPARE"), "{q}");
     }

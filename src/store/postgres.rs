@@ -133,8 +133,16 @@ const MIGRATION_LOCK: i64 = 0x746f_7769_6465_6d31;
 ///
 /// Every statement goes over the simple query protocol with its values written in as
 /// literals, so the store works behind a pooler in transaction mode (PgBouncer, RDS Proxy,
-/// Supavisor) with nothing to configure: no prepared statement outlives its message, and no
-/// setting outlives its transaction. Each statement runs under the store's own
+/// Supavisor) with nothing to configure: every message is whole in itself, and no setting
+/// outlives its transaction. Calls of the store's functions are sent as text (cheap to plan);
+/// the statements written out in SQL (the read and the insert of
+/// [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`]) are prepared with SQL
+/// `PREPARE` on each server connection that runs them, under a name that is a digest of
+/// their text, so that Postgres plans them once per connection, and a client of a pooler that
+/// meets one on a shared server connection meets the statement it means. A server connection
+/// that does not hold one yet answers its first `EXECUTE` with an error (`prepared statement
+/// "tower_idempotency_…" does not exist`, in the server's log once per server connection and
+/// statement), and the store sends it again with the `PREPARE`. Each statement runs under the store's own
 /// `statement_timeout` and `lock_timeout` ([`with_statement_timeout`], 5 s;
 /// [`with_lock_timeout`], 1 s), set with `SET LOCAL` in the same message, so the
 /// application's statements keep their own settings.
@@ -500,7 +508,7 @@ impl PostgresStore {
     async fn read(&self, req: &ClaimRequest<'_>) -> Result<Option<PgRow>, StoreError> {
         let args = claim_args(req, self.lock_timeout);
         let rows = if self.prepared {
-            self.rows(READ.text, &args[..3]).await?
+            self.rows(READ_CALL, &args).await?
         } else {
             self.run_named(&READ, &args[..3]).await?
         };
@@ -529,16 +537,12 @@ impl PostgresStore {
     /// snapshot: the token condition decides anew.
     async fn execute_token_statement(
         &self,
-        statement: TokenStatement<'_>,
+        template: &'static str,
         args: &[Lit<'_>],
     ) -> Result<u64, StoreError> {
         let mut attempts = 1;
         loop {
-            let rows = match statement {
-                TokenStatement::Call(template) => self.rows(template, args).await,
-                TokenStatement::Bare(bare) => self.run_named(bare, args).await,
-            };
-            match rows {
+            match self.rows(template, args).await {
                 Ok(rows) => {
                     let changed = match rows.first() {
                         Some(row) => row.try_get::<i64, _>("changed")?,
@@ -783,6 +787,11 @@ struct Bare {
     locks: bool,
 }
 
+/// The read alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`] with
+/// prepared statements ([`PostgresStore::with_prepared_statements`]): a call of the function
+/// that reads the record in the store's own schema. Otherwise [`READ`].
+const READ_CALL: &str = "SELECT * FROM tower_idempotency_plain_read($1, $2, $3, $6)";
+
 /// The read alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`]: a
 /// bare `SELECT` by key (it takes no lock, so it needs no lock bound), with the columns
 /// [`decide`] reads. `$1` scope, `$2` key, `$3` fingerprint.
@@ -830,50 +839,13 @@ const TAKEOVER: &str =
     "SELECT tower_idempotency_plain_takeover($1, $2, $3, $4, $5, $6) AS lease_token";
 
 /// Stores the answer while `$3` (the token) holds the record: `$4` time to live (ms), `$5`
-/// status, `$6` headers, `$7` body, `$8` lock timeout (ms). Returns the rows changed. With
-/// prepared statements; otherwise [`COMPLETE`].
-const COMPLETE_CALL: &str = "SELECT tower_idempotency_plain_complete(\
+/// status, `$6` headers, `$7` body, `$8` lock timeout (ms). Returns the rows changed.
+const COMPLETE: &str = "SELECT tower_idempotency_plain_complete(\
      $1, $2, $3, $4, $5::smallint, $6, $7, $8) AS changed";
 
-/// [`COMPLETE_CALL`], also waking the key's waiters: `$9` the key's hash.
-const COMPLETE_WAKE_CALL: &str = "SELECT tower_idempotency_plain_complete(\
+/// [`COMPLETE`], also waking the key's waiters: `$9` the key's hash.
+const COMPLETE_WAKE: &str = "SELECT tower_idempotency_plain_complete(\
      $1, $2, $3, $4, $5::smallint, $6, $7, $8, $9) AS changed";
-
-/// Stores the answer while `$3` (the token) holds the record, sent prepared by name: `$4`
-/// time to live (ms), `$5` status, `$6` headers, `$7` body. Returns the rows changed. It
-/// waits for the row when another transaction holds it, so its message bounds the wait.
-const COMPLETE: Bare = Bare {
-    locks: true,
-    text: "\
-WITH done AS (\
-  UPDATE tower_idempotency_keys \
-     SET lease_token = NULL, lease_expires_at = NULL, completed_at = tower_idempotency_now(), \
-         expires_at = tower_idempotency_now() + $4::float8 * interval '1 millisecond', \
-         response_status = $5::smallint, response_headers = $6, response_body = $7 \
-   WHERE scope = $1 AND key = $2 AND lease_token = $3 \
-  RETURNING 1) \
-SELECT count(*) AS changed FROM done",
-};
-
-/// [`COMPLETE`], also waking the key's waiters: `$8` the key's hash, notified (at the commit)
-/// when the answer was stored and someone registered that hash to wait for it.
-const COMPLETE_WAKE: Bare = Bare {
-    locks: true,
-    text: "\
-WITH done AS (\
-  UPDATE tower_idempotency_keys \
-     SET lease_token = NULL, lease_expires_at = NULL, completed_at = tower_idempotency_now(), \
-         expires_at = tower_idempotency_now() + $4::float8 * interval '1 millisecond', \
-         response_status = $5::smallint, response_headers = $6, response_body = $7 \
-   WHERE scope = $1 AND key = $2 AND lease_token = $3 \
-  RETURNING 1) \
-SELECT count(*) AS changed, \
-       (SELECT pg_notify('tower_idempotency', $8::text) \
-         WHERE EXISTS (SELECT FROM done) \
-           AND EXISTS (SELECT FROM tower_idempotency_waiting \
-                        WHERE hash = $8 AND until > tower_idempotency_now())) AS woke \
-  FROM done",
-};
 
 /// Deletes the record while `$3` (the token) holds it; `$4` lock timeout (ms).
 const RELEASE: &str = "SELECT tower_idempotency_plain_release($1, $2, $3, $4) AS changed";
@@ -899,17 +871,6 @@ DELETE FROM tower_idempotency_keys
         ORDER BY expires_at
         LIMIT $1
           FOR UPDATE SKIP LOCKED))";
-
-/// A statement that acts on a claimed key, as [`PostgresStore::execute_token_statement`]
-/// sends it.
-#[derive(Clone, Copy)]
-enum TokenStatement<'a> {
-    /// A call of one of the store's functions, sent as text (or prepared, with
-    /// [`PostgresStore::with_prepared_statements`]).
-    Call(&'static str),
-    /// A statement in SQL, prepared by name.
-    Bare(&'a Bare),
-}
 
 /// How often a claim that lost a race is run again before giving up with "in flight".
 const CLAIM_ATTEMPTS: usize = 4;
@@ -1051,28 +1012,9 @@ impl Store for PostgresStore {
             Lit::Int(millis(self.lock_timeout)),
             Lit::Int(self.notification(scope, key).unwrap_or_default()),
         ];
-        let done = match (self.prepared, self.notifier.is_some()) {
-            (true, true) => {
-                self.execute_token_statement(TokenStatement::Call(COMPLETE_WAKE_CALL), &args)
-                    .await?
-            }
-            (true, false) => {
-                self.execute_token_statement(TokenStatement::Call(COMPLETE_CALL), &args[..8])
-                    .await?
-            }
-            (false, wake) => {
-                // The bare statements bound their lock wait in their message: no `$8`.
-                let mut bare_args = [args[0]; 8];
-                bare_args[..7].copy_from_slice(&args[..7]);
-                bare_args[7] = args[8];
-                let (statement, n) = if wake {
-                    (&COMPLETE_WAKE, 8)
-                } else {
-                    (&COMPLETE, 7)
-                };
-                self.execute_token_statement(TokenStatement::Bare(statement), &bare_args[..n])
-                    .await?
-            }
+        let done = match self.notifier {
+            Some(_) => self.execute_token_statement(COMPLETE_WAKE, &args).await?,
+            None => self.execute_token_statement(COMPLETE, &args[..8]).await?,
         };
         Ok(done == 1)
     }
@@ -1091,14 +1033,8 @@ impl Store for PostgresStore {
             Lit::Int(self.notification(scope, key).unwrap_or_default()),
         ];
         let done = match self.notifier {
-            Some(_) => {
-                self.execute_token_statement(TokenStatement::Call(RELEASE_WAKE), &args)
-                    .await?
-            }
-            None => {
-                self.execute_token_statement(TokenStatement::Call(RELEASE), &args[..4])
-                    .await?
-            }
+            Some(_) => self.execute_token_statement(RELEASE_WAKE, &args).await?,
+            None => self.execute_token_statement(RELEASE, &args[..4]).await?,
         };
         Ok(done == 1)
     }
@@ -1117,9 +1053,7 @@ impl Store for PostgresStore {
             Lit::Int(millis(lease)),
             Lit::Int(millis(self.lock_timeout)),
         ];
-        let done = self
-            .execute_token_statement(TokenStatement::Call(RENEW), &args)
-            .await?;
+        let done = self.execute_token_statement(RENEW, &args).await?;
         Ok(done == 1)
     }
 

@@ -3,11 +3,17 @@
 //!
 //! Every statement of the store goes over the *simple* query protocol, values included as
 //! literals, so that it works behind a pooler in transaction mode (PgBouncer, RDS Proxy,
-//! Supavisor): no prepared statement, named or unnamed, outlives the message that carries
-//! it, and no setting outlives its transaction. (sqlx's bound queries prepare a statement
-//! first: a named one that stays on the server connection, which under transaction pooling
-//! meets another client's of the same name, or the unnamed one in a message of its own,
-//! which the pooler may send to another server connection than the `Bind` that follows.)
+//! Supavisor): each message is whole in itself, and no setting outlives its transaction.
+//! (sqlx's bound queries prepare a statement first: a named one that stays on the server
+//! connection under a name counted per client connection, `sqlx_s_1`, which under
+//! transaction pooling meets another client's statement of the same name, or the unnamed one
+//! in a message of its own, which the pooler may send to another server connection than the
+//! `Bind` that follows.)
+//!
+//! The statements Postgres would otherwise plan on every call are prepared with SQL
+//! `PREPARE` under a name that is a digest of their text ([`prepared_name`]) and run with
+//! `EXECUTE` ([`push_execute`]): a server connection that holds the name holds the statement
+//! meant, whichever client of a pooler prepared it.
 //!
 //! The literals are written so that no value can change a statement's meaning, whatever the
 //! session's settings: see [`push_text`] and [`push_bytea`].
@@ -288,7 +294,10 @@ mod tests {
     fn a_prepared_statement_is_named_by_its_text_and_types_and_prepared_before_it_runs() {
         let args = [Lit::Text("k"), Lit::Int(-1), Lit::MaybeBytes(None)];
         let name = prepared_name("SELECT $1, $2, $3", &args);
-        assert!(name.starts_with("tower_idempotency_") && name.len() == 34, "{name}");
+        assert!(
+            name.starts_with("tower_idempotency_") && name.len() == 34,
+            "{name}"
+        );
         assert_eq!(name, prepared_name("SELECT $1, $2, $3", &args));
         assert_ne!(name, prepared_name("SELECT $1, $2, $3 ", &args));
         let other_types = [Lit::Text("k"), Lit::Int(-1), Lit::Text("")];
