@@ -56,12 +56,15 @@ bench() {
 }
 
 # `run_way ROUND NAME SCRIPT MODE`: one pgbench run of SCRIPT (a path) in MODE; its
-# transactions per second are appended to runs[NAME] and printed with the round.
+# transactions per second are appended to runs[NAME] and printed with the round. A script
+# sees `:schema`, and `:prepared` at 0 until it sets it (per client) once it has run its
+# `PREPARE`s.
 declare -A runs
 run_way() {
     local round="$1" name="$2" script="$3" mode="$4" out t
     out="$(pgbench "$url" -n -M "$mode" -c "$clients" -j "$threads" -T "$seconds" \
-        -D nkeys="$keys" -f "$script" 2>&1)" || { echo "$out" >&2; exit 1; }
+        -D nkeys="$keys" -D prepared=0 -D schema="$schema" -f "$script" 2>&1)" \
+        || { echo "$out" >&2; exit 1; }
     t="$(echo "$out" | sed -n 's/^tps = \([0-9]*\).*/\1/p' | head -1)"
     runs[$name]="${runs[$name]:-} $t"
     printf 'round %s  %-26s %8s tps\n' "$round" "$name" "$t"

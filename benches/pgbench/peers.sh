@@ -5,7 +5,8 @@
 #   new keys   PostgresStore as it sends by default (simple protocol, bounds in front), the
 #              same calls prepared (`with_prepared_statements(true)`), and cratestack-sqlx
 #              0.8's upsert + UPDATE prepared (as sqlx sends them) and over the simple protocol
-#   replays    PostgresStore by default and prepared, and rustango 0.62's DatabaseCache
+#   replays    PostgresStore by default, prepared and with ClaimStrategy::ReadFirst (its read
+#              prepared with SQL PREPARE), and rustango 0.62's DatabaseCache
 #              lookup prepared and over the simple protocol
 #
 #   benches/pgbench/peers.sh [-c CLIENTS] [-T SECONDS] [-r ROUNDS] [-k KEYS] [-a]
@@ -64,6 +65,7 @@ SQL
 ways=(
     "replay store|store_replay.sql|simple"
     "replay store prepared|prepared_replay.sql|prepared"
+    "replay store read-first|store_read_first_replay.sql|simple"
     "replay rustango prepared|rustango_replay.sql|prepared"
     "replay rustango simple|rustango_replay.sql|simple"
     "new store|store_new.sql|simple"

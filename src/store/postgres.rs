@@ -186,13 +186,15 @@ const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 /// | [`ReadFirst`](ClaimStrategy::ReadFirst) | 3: read, insert, complete | 1 plain `SELECT` |
 /// | [`InsertFirst`](ClaimStrategy::InsertFirst) | 2: plain insert, complete | 2: insert (conflicts), read |
 ///
-/// `Combined` suits most endpoints: its replay costs the database about what `ReadFirst`'s
-/// plain `SELECT` does, and its first request, in the same two round trips as
-/// `InsertFirst`'s, adds the read of the absent key and a PL/pgSQL call to the insert.
-/// `InsertFirst` saves that on endpoints where retries are rare and first requests dominate.
-/// `ReadFirst`'s replay is the bare `SELECT`, about as cheap as `Combined`'s, for a third
-/// statement on every first request. Expired or
-/// abandoned keys cost one more statement (the takeover) in every strategy.
+/// `Combined` suits most endpoints: one statement for a replay and two for a first request,
+/// neither of them the slowest of the three. `ReadFirst`'s replay is a bare `SELECT` prepared
+/// on the server connection (see "Poolers and bounds" on [`PostgresStore`]), the cheapest
+/// replay of the three (1.14–1.22× `Combined`'s over HTTP in one run, BENCHMARKS.md), for a
+/// third statement on every first request: for endpoints whose clients retry a lot. Its
+/// insert, also prepared, is `InsertFirst`'s first statement: a first request in two
+/// statements, level with `Combined`'s over HTTP, and a replay in two, for endpoints that
+/// see few retries. Expired or abandoned keys cost one more statement (the takeover) in every
+/// strategy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ClaimStrategy {
