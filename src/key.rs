@@ -384,8 +384,8 @@ mod tests {
         assert_eq!(long.derive("a b"), Err(KeyError::InvalidPurpose));
     }
 
-    /// Issue 9, item 6: a long key was derived as `<sha256hex(key)>:charge`, which is also the
-    /// identity form of the short key `sha256hex(key)`: two payments, one provider charge.
+    /// A long key derived as `<sha256hex(key)>:charge` would equal the identity form of the
+    /// short key `sha256hex(key)`: two payments, one provider charge.
     #[test]
     fn a_long_key_and_the_hex_of_its_hash_derive_different_keys() {
         let long = IdempotencyKey::parse(&"k".repeat(255)).unwrap();

@@ -82,7 +82,7 @@
 //! Replays, in-flight keys and mismatches make the server raise no error, so they leave
 //! nothing in its log. The claim and the completion are the functions
 //! `tower_idempotency_claim_tx` and `tower_idempotency_complete_tx` that
-//! [`PostgresStore::migrate`] creates (migration 5).
+//! [`PostgresStore::migrate`] creates.
 //!
 //! The layer runs the transaction with its own `BEGIN` and `COMMIT` on a pooled connection;
 //! should the request be dropped with the transaction open (a panic), the connection is
@@ -484,7 +484,7 @@ const RECORD_COLUMNS: &str = "k.fingerprint, k.lease_token, \
 ///    and, being outside the request's transaction, takes no predicate locks in it under
 ///    `SERIALIZABLE`;
 /// 2. `BEGIN` of the request's transaction (at the configured isolation level);
-/// 3. the claim (`tower_idempotency_claim_tx`, migration 5) in it: the advisory lock, the
+/// 3. the claim (`tower_idempotency_claim_tx`) in it: the advisory lock, the
 ///    placeholder record, or the record that holds the key;
 /// 4. a savepoint, so that a handler that leaves the transaction aborted can still have its
 ///    answer stored with the key.

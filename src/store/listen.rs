@@ -1,7 +1,7 @@
 //! Wake-ups across processes for [`PostgresStore`](super::PostgresStore).
 //!
-//! A waiting duplicate registers its key's hash in `tower_idempotency_waiting` (migration 7)
-//! for a while. Plain mode's completions and releases look the hash up in their own
+//! A waiting duplicate registers its key's hash in `tower_idempotency_waiting` (created by
+//! `PostgresStore::migrate`) for a while. Plain mode's completions and releases look the hash up in their own
 //! statement; transactional mode's completions in theirs at `READ COMMITTED`, and above it
 //! right after the commit, in a `READ COMMITTED` transaction of their own (the request's
 //! snapshot dates from before the waiter came); rollbacks right after they end. Either sends `NOTIFY tower_idempotency, '<key hash>'` only when the hash is
@@ -29,7 +29,7 @@ const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 /// rows past it are left to the purge.
 const REGISTRATION: Duration = Duration::from_secs(60);
 
-/// The statement that wakes the waiters of a key (migration 7): a `NOTIFY` only when a
+/// The statement that wakes the waiters of a key: a `NOTIFY` only when a
 /// waiter registered the key's hash. Sent in the transaction of the change, so it is
 /// delivered when that commits.
 pub(crate) fn wake_statement(hash: i64) -> String {
