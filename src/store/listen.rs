@@ -1,12 +1,12 @@
 //! Wake-ups across processes for [`PostgresStore`](super::PostgresStore).
 //!
 //! A waiting duplicate registers its key's hash in `tower_idempotency_waiting` (created by
-//! `PostgresStore::migrate`) for a while. Plain mode's completions and releases look the hash up in their own
-//! statement; transactional mode's completions in theirs at `READ COMMITTED`, and above it
-//! right after the commit, in a `READ COMMITTED` transaction of their own (the request's
-//! snapshot dates from before the waiter came); rollbacks right after they end. Either sends `NOTIFY tower_idempotency, '<key hash>'` only when the hash is
-//! there. One listening connection per store (not taken from the application's pool)
-//! wakes the waiting duplicates of its process.
+//! `PostgresStore::migrate`) for a while. Plain mode's completions and releases look the hash up in
+//! their own statement; transactional mode's completions in theirs at `READ COMMITTED`, and above
+//! it right after the commit, in a `READ COMMITTED` transaction of their own (the request's
+//! snapshot dates from before the waiter came); rollbacks right after they end. Either sends
+//! `NOTIFY tower_idempotency, '<key hash>'` only when the hash is there. One listening connection
+//! per store (not taken from the application's pool) wakes the waiting duplicates of its process.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
