@@ -142,8 +142,8 @@ const MIGRATION_LOCK: i64 = 0x746f_7769_6465_6d31;
 /// meets one on a shared server connection meets the statement it means. A server connection
 /// that does not hold one yet answers its first `EXECUTE` with an error (`prepared statement
 /// "tower_idempotency_…" does not exist`, in the server's log once per server connection and
-/// statement), and the store sends it again with the `PREPARE`. Each statement runs under the store's own
-/// `statement_timeout` and `lock_timeout` ([`with_statement_timeout`], 5 s;
+/// statement), and the store sends it again with the `PREPARE`. Each statement runs under
+/// the store's own `statement_timeout` and `lock_timeout` ([`with_statement_timeout`], 5 s;
 /// [`with_lock_timeout`], 1 s), set with `SET LOCAL` in the same message, so the
 /// application's statements keep their own settings.
 ///
@@ -331,7 +331,7 @@ impl PostgresStore {
         Ok(sql)
     }
 
-    /// The message that runs `template`, prepared by `name` on the server connection that
+    /// The message that runs `bare`, prepared by `name` on the server connection that
     /// receives it (and prepared first when `prepare` is set), after the store's settings.
     ///
     /// The plan settings make the plan the same whatever the table's statistics say, and keep
@@ -377,20 +377,20 @@ impl PostgresStore {
         Ok(sql)
     }
 
-    /// Runs `template` as a statement prepared by name on the server connection that runs it
+    /// Runs `bare` as a statement prepared by name on the server connection that runs it
     /// (SQL `PREPARE` and `EXECUTE` over the simple protocol), and returns its rows.
     ///
-    /// Over the simple protocol Postgres parses, analyses and plans every statement it is
-    /// sent; a prepared statement is planned once per server connection, which is most of
-    /// what a replay costs the database. Unlike the extended protocol's prepared statements,
-    /// whose names belong to the client connection and which a pooler in transaction mode
-    /// carries to server connections that hold another client's statement of that name, a
-    /// statement prepared here is named by its own text ([`prepared_name`]): found on any
-    /// server connection, it is the statement meant. Where a server connection does not hold
-    /// it yet (`26000`), the message is sent again with the `PREPARE` in front; where that
-    /// meets the statement prepared meanwhile by another client of a pooler (`42P05`), it is
-    /// sent again without. After a few rounds of that (a pooler with many server connections,
-    /// each met for the first time), the statement is sent unprepared, as text, for this call.
+    /// Over the simple protocol Postgres parses, analyses and plans every statement it is sent; a
+    /// prepared statement is planned once per server connection (a replay's read costs the database
+    /// about a quarter less: BENCHMARKS.md). Unlike the extended protocol's prepared statements,
+    /// whose names belong to the client connection and which a pooler in transaction mode carries
+    /// to server connections that hold another client's statement of that name, a statement
+    /// prepared here is named by its own text ([`prepared_name`]): found on any server connection,
+    /// it is the statement meant. Where a server connection does not hold it yet (`26000`), the
+    /// message is sent again with the `PREPARE` in front; where that meets the statement prepared
+    /// meanwhile by another client of a pooler (`42P05`), it is sent again without. After a few
+    /// rounds of that (a pooler with many server connections, each met for the first time), the
+    /// statement is sent unprepared, as text, for this call.
     async fn run_named(&self, bare: &Bare, args: &[Lit<'_>]) -> Result<Vec<PgRow>, StoreError> {
         let schema = self
             .schema
