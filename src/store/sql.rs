@@ -10,9 +10,10 @@
 //! in a message of its own, which the pooler may send to another server connection than the
 //! `Bind` that follows.)
 //!
-//! The statements Postgres would otherwise plan on every call are prepared with SQL
-//! `PREPARE` under a name that is a digest of their text ([`prepared_name`]) and run with
-//! `EXECUTE` ([`push_execute`]): a server connection that holds the name holds the statement
+//! The store's statements written out in SQL (not calls of its functions, which are cheap to
+//! plan) are prepared with SQL `PREPARE` under a name that is a digest of their text
+//! ([`prepared_name`]) and run with `EXECUTE` ([`push_execute`]), so that Postgres plans them
+//! once per server connection: a server connection that holds the name holds the statement
 //! meant, whichever client of a pooler prepared it.
 //!
 //! The literals are written so that no value can change a statement's meaning, whatever the
