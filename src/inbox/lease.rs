@@ -49,10 +49,12 @@ pub struct MessageLease {
     ended: bool,
 }
 
-/// Claims a message: a new row with a token and the lease's end, or a row whose lease ran out
-/// (a worker that died) taken over. Returns the token, or no row when the message is
-/// processed or held.
-const CLAIM: &str = "
+/// The upsert of a claim, without its `RETURNING`: a new row with a token and the lease's
+/// end, or a row whose lease ran out (a worker that died) taken over. `$1` consumer, `$2`
+/// message ID, `$3` lease (ms).
+macro_rules! claim_upsert {
+    () => {
+        "
 INSERT INTO tower_idempotency_processed_messages AS m
        (consumer, message_id, lease_token, lease_expires_at)
 VALUES ($1, $2, nextval('tower_idempotency_lease_token_seq'),
@@ -61,21 +63,21 @@ ON CONFLICT (consumer, message_id) DO UPDATE
    SET lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
        processed_at = tower_idempotency_now()
  WHERE m.lease_token IS NOT NULL AND m.lease_expires_at <= tower_idempotency_now()
-RETURNING m.lease_token AS token";
+"
+    };
+}
+
+/// Claims a message ([`claim_upsert`]). Returns the token, or no row when the message is
+/// processed or held.
+const CLAIM: &str = concat!(claim_upsert!(), "RETURNING m.lease_token AS token");
 
 /// As [`CLAIM`], and the ordering key `$4`'s applied position read in the same statement.
-const CLAIM_AT: &str = "
-INSERT INTO tower_idempotency_processed_messages AS m
-       (consumer, message_id, lease_token, lease_expires_at)
-VALUES ($1, $2, nextval('tower_idempotency_lease_token_seq'),
-        tower_idempotency_now() + $3::float8 * interval '1 millisecond')
-ON CONFLICT (consumer, message_id) DO UPDATE
-   SET lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
-       processed_at = tower_idempotency_now()
- WHERE m.lease_token IS NOT NULL AND m.lease_expires_at <= tower_idempotency_now()
-RETURNING m.lease_token AS token,
+const CLAIM_AT: &str = concat!(
+    claim_upsert!(),
+    "RETURNING m.lease_token AS token,
           (SELECT p.position FROM tower_idempotency_positions AS p
-            WHERE p.consumer = $1 AND p.key = $4) AS position";
+            WHERE p.consumer = $1 AND p.key = $4) AS position"
+);
 
 /// As [`FINISH`], and the ordering key `$4`'s position moved to `$5` if it is below it, in
 /// one statement: `finished` is 0 when the lease was lost (nothing moved), `advanced` 0 when

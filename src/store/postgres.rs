@@ -359,6 +359,18 @@ impl PostgresStore {
         let hint: usize = args.iter().map(Lit::len_hint).sum();
         let extra = if prepare { bare.text.len() + 64 } else { 0 };
         let mut sql = String::with_capacity(320 + hint + extra);
+        self.push_bare_settings(&mut sql, bare, schema);
+        sql.push_str(
+            "SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off; ",
+        );
+        push_execute(&mut sql, name, bare.text, args, prepare)?;
+        Ok(sql)
+    }
+
+    /// The settings in front of a [`Bare`] statement, prepared or not: `READ COMMITTED`, the
+    /// `search_path` pinned to the store's `schema`, and the store's bounds (the lock bound
+    /// for a statement that can wait for a row lock).
+    fn push_bare_settings(&self, sql: &mut String, bare: &Bare, schema: &str) {
         sql.push_str("SET LOCAL transaction_isolation = 'read committed'; ");
         let _ = write!(
             sql,
@@ -369,12 +381,7 @@ impl PostgresStore {
         } else {
             Duration::ZERO
         };
-        push_bounds(&mut sql, self.statement_timeout, lock);
-        sql.push_str(
-            "SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off; ",
-        );
-        push_execute(&mut sql, name, bare.text, args, prepare)?;
-        Ok(sql)
+        push_bounds(sql, self.statement_timeout, lock);
     }
 
     /// Runs `bare` as a statement prepared by name on the server connection that runs it
@@ -415,14 +422,8 @@ impl PostgresStore {
                 other => return other.map_err(|e| self.error(e)),
             }
         }
-        let mut sql = self.statement("", &[])?;
-        let _ = write!(
-            sql,
-            "SET LOCAL search_path = pg_catalog, {schema}, pg_temp; "
-        );
-        if bare.locks {
-            push_bounds(&mut sql, Duration::ZERO, self.lock_timeout);
-        }
+        let mut sql = String::new();
+        self.push_bare_settings(&mut sql, bare, schema);
         append(&mut sql, bare.text, args)?;
         sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_all(&self.pool)
