@@ -12,6 +12,10 @@
 //!    record with a lease and a fencing token; the lease is renewed while the handler runs.
 //!    A duplicate gets `409` (or waits, with
 //!    [`with_wait_for_completion`](crate::IdempotencyLayer::with_wait_for_completion)).
+//!    A new key's claim commits without waiting for its WAL flush: it is a lease, not a
+//!    result, and every phase after it is fenced by its token and flushed, which flushes the
+//!    claim with it. A database crash that loses a claim loses no answer and no phase: the
+//!    request that held it has its next phase refused, and a retry claims the key anew.
 //! 2. **Phases**: [`Phases::step`] runs a piece of the handler's database work in a short
 //!    transaction of its own and commits it together with a **recovery point**, the step's
 //!    name and a small state (a payment's ID, say). No transaction is open between steps:
@@ -968,7 +972,11 @@ impl Sealed for Phased {
             ttl: config.ttl,
         };
         let claim = || {
-            let call = store_call(Operation::Claim, config.store_timeout, store.claim(request));
+            let call = store_call(
+                Operation::Claim,
+                config.store_timeout,
+                store.claim_lease(request),
+            );
             async move { Ok(acquired_or_taken(call.await?)) }
         };
         let (token, takeover) = match claim_or_wait(&config, store, &scope, &key, claim).await {

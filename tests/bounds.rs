@@ -265,6 +265,19 @@ async fn the_crate_prepares_statements_only_under_names_that_stand_for_their_tex
         )
         .await;
     }
+    let phased = IdempotencyLayer::new(store.phased())
+        .with_scope(|_| Some("phased".to_owned()))
+        .layer(support::handler(calls.clone()));
+    for key in ["p", "p"] {
+        let _ = read(
+            phased
+                .clone()
+                .oneshot(req("POST", "/pay", Some(key), "x"))
+                .await
+                .unwrap(),
+        )
+        .await;
+    }
     let inbox = Inbox::new(pool.clone());
     for _ in 0..2 {
         let _ = inbox
@@ -297,9 +310,9 @@ async fn the_crate_prepares_statements_only_under_names_that_stand_for_their_tex
     .unwrap();
     assert_eq!(
         prepared.len(),
-        2,
-        "the read and the insert of a claim in two statements run prepared; the calls of the \
-         store's functions are sent as text"
+        3,
+        "the read and the insert of a claim in two statements, and the insert of a phased \
+         claim, run prepared; the calls of the store's functions are sent as text"
     );
     for row in &prepared {
         let name: String = row.get(0);
@@ -320,8 +333,8 @@ async fn the_crate_prepares_statements_only_under_names_that_stand_for_their_tex
     }
     assert_eq!(
         calls.get("/pay"),
-        4,
-        "one plain first request per strategy, one transactional"
+        5,
+        "one plain first request per strategy, one transactional, one phased"
     );
     pool.close().await;
     schema.drop_schema().await;

@@ -29,6 +29,7 @@ struct Server {
     data: PathBuf,
     port: u16,
     as_postgres: bool,
+    options: &'static str,
 }
 
 fn bindir() -> PathBuf {
@@ -77,6 +78,11 @@ impl Server {
     }
 
     fn init() -> Server {
+        Self::init_with("")
+    }
+
+    /// A server started with `options` (`-c name=value …`) besides the usual ones.
+    fn init_with(options: &'static str) -> Server {
         let bin = bindir();
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -99,6 +105,7 @@ impl Server {
             data: dir.join("data"),
             port,
             as_postgres,
+            options,
         };
         let data = server.data.to_str().unwrap().to_owned();
         server.run(
@@ -114,8 +121,8 @@ impl Server {
         let sockets = self.data.parent().unwrap().to_str().unwrap().to_owned();
         let options = format!(
             "-p {} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=on \
-             -c synchronous_commit=on",
-            self.port
+             -c synchronous_commit=on {}",
+            self.port, self.options
         );
         let log = self
             .data
@@ -312,5 +319,133 @@ async fn phases_committed_before_a_database_crash_survive_it_and_nothing_runs_tw
             .await
             .unwrap();
     assert_eq!((payments, charged), (2, 2));
+    pool.close().await;
+}
+
+/// A phased claim is a lease, not a result: its commit does not wait for the WAL flush, and a
+/// crash can lose it. Every commit after it is fenced by its token and flushed, so what the
+/// crash loses is only the lease: the request that held it has its next phase refused, and the
+/// retry that claims the key anew (with a token the lost claim's cannot equal: the sequence's
+/// lost advance would hand the same number out again) does the work once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_lost_in_a_database_crash_fences_its_request_and_the_retry_does_the_work_once() {
+    // The WAL writer flushes an unflushed commit every 10 s here, and nothing else writes in
+    // between: a crash right after the claim loses it.
+    let server = Server::init_with("-c wal_writer_delay=10000 -c autovacuum=off");
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(20))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE payments (id bigserial PRIMARY KEY, key text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let in_call = Arc::new(Notify::new());
+    // One gate per request, in the order they reach the handler.
+    let gates = Arc::new([
+        tokio::sync::Semaphore::new(0),
+        tokio::sync::Semaphore::new(0),
+    ]);
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (in_call, gates, arrived) = (in_call.clone(), gates.clone(), arrived.clone());
+        tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
+            let (in_call, gates, arrived) = (in_call.clone(), gates.clone(), arrived.clone());
+            async move {
+                let phases = req.extensions().get::<Phases>().unwrap().clone();
+                let answer = |status: StatusCode, body: String| {
+                    let mut res = Response::new(Full::new(Bytes::from(body)));
+                    *res.status_mut() = status;
+                    Ok::<_, std::io::Error>(res)
+                };
+                // The remote call, with the claim committed and nothing else yet.
+                let gate = arrived.fetch_add(1, Ordering::SeqCst);
+                in_call.notify_one();
+                gates[gate].acquire().await.unwrap().forget();
+                let key = phases.key().as_str().to_owned();
+                match phases
+                    .step("charged", async |conn| {
+                        sqlx::query_scalar::<_, i64>(
+                            "INSERT INTO payments (key) VALUES ($1) RETURNING id",
+                        )
+                        .bind(key)
+                        .fetch_one(conn)
+                        .await
+                    })
+                    .await
+                {
+                    Ok(id) => answer(StatusCode::CREATED, format!("payment {id}")),
+                    Err(e) => answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                }
+            }
+        })
+    };
+    let svc = IdempotencyLayer::new(store.phased()).layer(handler);
+
+    let first = tokio::spawn(svc.clone().oneshot(req("POST", "/pay", Some("k"), "{}")));
+    within(
+        in_call.notified(),
+        "the first request reaches its remote call",
+    )
+    .await;
+    server.crash();
+    server.start();
+    let records: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM tower_idempotency_keys WHERE key = 'k'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        records, 0,
+        "the claim's commit did not wait for its WAL flush: the crash lost it"
+    );
+
+    // The retry finds no record and claims the key anew; while it is in its remote call, the
+    // first request comes back from its own and tries to commit its step: refused.
+    let retry = tokio::spawn(svc.clone().oneshot(req("POST", "/pay", Some("k"), "{}")));
+    within(in_call.notified(), "the retry reaches its remote call").await;
+    gates[0].add_permits(1);
+    let first = read(
+        within(first, "the first request's answer")
+            .await
+            .unwrap()
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(first.status, 503, "{}", first.text());
+    assert!(first.text().contains("lease"), "{}", first.text());
+    let payments: i64 = sqlx::query_scalar("SELECT count(*) FROM payments")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(payments, 0, "the first request's step committed nothing");
+
+    gates[1].add_permits(1);
+    let retry = read(within(retry, "the retry's answer").await.unwrap().unwrap()).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert_eq!(retry.text(), "payment 1");
+    let replay = read(
+        svc.clone()
+            .oneshot(req("POST", "/pay", Some("k"), "{}"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.body, retry.body);
+    let payments: Vec<(i64, String)> = sqlx::query_as("SELECT id, key FROM payments")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        payments,
+        vec![(1, "k".to_owned())],
+        "the work was done once"
+    );
     pool.close().await;
 }

@@ -382,6 +382,9 @@ impl PostgresStore {
             Duration::ZERO
         };
         push_bounds(sql, self.statement_timeout, lock);
+        if bare.unflushed {
+            sql.push_str("SET LOCAL synchronous_commit = off; ");
+        }
     }
 
     /// Runs `bare` as a statement prepared by name on the server connection that runs it
@@ -592,6 +595,35 @@ impl PostgresStore {
         })
     }
 
+    /// The claim of phased mode: a new key's record is inserted by a transaction whose commit
+    /// does not wait for its WAL flush, with a token no crash can hand out twice; a key that
+    /// has a record is claimed as [`Store::claim`] claims it.
+    ///
+    /// A phased claim is a lease, not a result: nothing is answered from it, and every phase
+    /// after it commits fenced by its token and waits for its own flush, which flushes the
+    /// claim's earlier WAL with it. A crash that loses the claim therefore loses nothing that
+    /// was answered or committed after it: the request that held it finds its next phase
+    /// refused (the key has no record, or another request's token), and a retry claims the
+    /// key anew (`tests/database_crash.rs`). What the flush would have cost is a wait on the
+    /// WAL for every request before its handler starts (BENCHMARKS.md).
+    pub(crate) async fn claim_lease(
+        &self,
+        req: ClaimRequest<'_>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let token = unrepeatable_token()?;
+        let mut args = claim_args(&req, self.lock_timeout);
+        // `$6`: the token instead of the lock timeout, which the message's settings carry.
+        args[5] = Lit::Int(token);
+        match self.run_named(&LEASE_INSERT, &args).await {
+            Ok(rows) if !rows.is_empty() => return Ok(acquired(token, false)),
+            // The key has a record: replay, refuse or take it over as any claim does.
+            Ok(_) => {}
+            Err(e) if waited_for_lock(&e) => return Ok(held_elsewhere()),
+            Err(e) => return Err(e),
+        }
+        self.claim(req).await
+    }
+
     /// The pool this store uses.
     pub fn pool(&self) -> &PgPool {
         &self.pool
@@ -788,6 +820,10 @@ struct Bare {
     /// Whether it can wait for a row lock (another transaction writing the key's row), so
     /// that its message sets the store's `lock_timeout`.
     locks: bool,
+    /// Whether its commit may return before its WAL is flushed (`synchronous_commit = off`):
+    /// only a statement whose effect every later commit that depends on it makes durable
+    /// ([`LEASE_INSERT`]).
+    unflushed: bool,
 }
 
 /// The read alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`] with
@@ -800,6 +836,7 @@ const READ_CALL: &str = "SELECT * FROM tower_idempotency_plain_read($1, $2, $3, 
 /// [`decide`] reads. `$1` scope, `$2` key, `$3` fingerprint.
 const READ: Bare = Bare {
     locks: false,
+    unflushed: false,
     text: READ_TEXT,
 };
 const READ_TEXT: &str = "\
@@ -825,6 +862,7 @@ const INSERT_CALL: &str =
 /// message bounds the wait.
 const INSERT: Bare = Bare {
     locks: true,
+    unflushed: false,
     text: "\
 INSERT INTO tower_idempotency_keys AS k \
        (scope, key, fingerprint, lease_token, lease_expires_at, expires_at) \
@@ -834,6 +872,35 @@ VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'), \
 ON CONFLICT (scope, key) DO NOTHING \
 RETURNING k.lease_token AS inserted",
 };
+
+/// The insert of a phased-mode claim ([`PostgresStore::claim_lease`]): [`INSERT`] with the
+/// token given as `$6` (from [`unrepeatable_token`]), committed without waiting for its WAL
+/// flush.
+const LEASE_INSERT: Bare = Bare {
+    locks: true,
+    unflushed: true,
+    text: "\
+INSERT INTO tower_idempotency_keys AS k \
+       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at) \
+VALUES ($1, $2, $3, $6, \
+        tower_idempotency_now() + $4::float8 * interval '1 millisecond', \
+        tower_idempotency_now() + $5::float8 * interval '1 millisecond') \
+ON CONFLICT (scope, key) DO NOTHING \
+RETURNING k.lease_token AS inserted",
+};
+
+/// A lease token no claim lost in a crash can have handed out before: 62 random bits above
+/// bit 62, so never one of the sequence's tokens either.
+///
+/// The sequence cannot give that promise to a claim whose commit does not wait for its WAL
+/// flush: a crash that loses the claim's commit loses the sequence's advance with it, and
+/// the server hands the same number out again after the restart, to the request that claims
+/// the key anew while the first still runs and holds that number.
+fn unrepeatable_token() -> Result<i64, StoreError> {
+    let random = getrandom::u64().map_err(|e| StoreError::Backend(Box::new(e)))?;
+    // `random >> 2` < 2^62, so the sum is in 2^62..2^63: a positive `i64`.
+    i64::try_from((random >> 2) | (1 << 62)).map_err(|e| StoreError::Backend(Box::new(e)))
+}
 
 /// Takes over a record that is expired or whose lease ran out. The condition is checked
 /// again on the row's latest version, so of two requests taking over at once, one wins; the
