@@ -334,13 +334,15 @@ impl PostgresStore {
     /// The message that runs `bare`, prepared by `name` on the server connection that
     /// receives it (and prepared first when `prepare` is set), after the store's settings.
     ///
-    /// The plan settings make the plan the same whatever the table's statistics say, and keep
-    /// it: a statement prepared while the table was empty (or analyzed so) would otherwise be
-    /// planned as a sequential scan, and the plan kept for the life of the server connection
-    /// reads the whole table on every call once it has grown (`tests/plans.rs`). A generic
-    /// plan is made once, at the first `EXECUTE`, under these settings, and again only when
-    /// something it depends on changes (a migration, an `ANALYZE`), under the same settings,
-    /// since every message carries them.
+    /// For a statement that reads the table, the plan settings make the plan the same whatever
+    /// the table's statistics say, and keep it: a statement prepared while the table was empty
+    /// (or analyzed so) would otherwise be planned as a sequential scan, and the plan kept for
+    /// the life of the server connection reads the whole table on every call once it has grown
+    /// (`tests/plans.rs`). A generic plan is made once, at the first `EXECUTE`, under these
+    /// settings, and again only when something it depends on changes (a migration, an
+    /// `ANALYZE`), under the same settings, since every message carries them. An insert of one
+    /// row has one plan whatever the statistics say (its conflict is looked up in the key's
+    /// unique index): its message goes without them.
     ///
     /// The message also pins the statement's `search_path` to the store's schema, as the
     /// store's functions pin their own: an application schema ahead on the connection's path
@@ -360,9 +362,11 @@ impl PostgresStore {
         let extra = if prepare { bare.text.len() + 64 } else { 0 };
         let mut sql = String::with_capacity(320 + hint + extra);
         self.push_bare_settings(&mut sql, bare, schema);
-        sql.push_str(
-            "SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off; ",
-        );
+        if bare.scans {
+            sql.push_str(
+                "SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off; ",
+            );
+        }
         push_execute(&mut sql, name, bare.text, args, prepare)?;
         Ok(sql)
     }
@@ -820,6 +824,9 @@ struct Bare {
     /// Whether it can wait for a row lock (another transaction writing the key's row), so
     /// that its message sets the store's `lock_timeout`.
     locks: bool,
+    /// Whether it reads the table, so that its plan could be a scan (an `INSERT … VALUES`
+    /// cannot).
+    scans: bool,
     /// Whether its commit may return before its WAL is flushed (`synchronous_commit = off`):
     /// only a statement whose effect every later commit that depends on it makes durable
     /// ([`LEASE_INSERT`]).
@@ -836,6 +843,7 @@ const READ_CALL: &str = "SELECT * FROM tower_idempotency_plain_read($1, $2, $3, 
 /// [`decide`] reads. `$1` scope, `$2` key, `$3` fingerprint.
 const READ: Bare = Bare {
     locks: false,
+    scans: true,
     unflushed: false,
     text: READ_TEXT,
 };
@@ -862,6 +870,7 @@ const INSERT_CALL: &str =
 /// message bounds the wait.
 const INSERT: Bare = Bare {
     locks: true,
+    scans: false,
     unflushed: false,
     text: "\
 INSERT INTO tower_idempotency_keys AS k \
@@ -878,6 +887,7 @@ RETURNING k.lease_token AS inserted",
 /// flush.
 const LEASE_INSERT: Bare = Bare {
     locks: true,
+    scans: false,
     unflushed: true,
     text: "\
 INSERT INTO tower_idempotency_keys AS k \
