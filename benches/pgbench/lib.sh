@@ -44,6 +44,47 @@ ANALYZE tower_idempotency_keys;
 SQL
 }
 
+# The peers' tables, as their crates create them (rustango's cache table reduced to the
+# columns its lookup reads), with the same number of completed keys.
+create_peer_tables() {
+    psql_q <<SQL
+CREATE TABLE cratestack_idempotency (
+    principal_fingerprint TEXT NOT NULL,
+    key TEXT NOT NULL,
+    request_hash BYTEA NOT NULL,
+    reservation_id UUID NOT NULL,
+    response_status INT,
+    response_headers BYTEA,
+    response_body BYTEA,
+    created_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
+    expires_at TIMESTAMPTZ NOT NULL,
+    PRIMARY KEY (principal_fingerprint, key)
+);
+CREATE INDEX cratestack_idempotency_expires_idx ON cratestack_idempotency (expires_at);
+CREATE TABLE rustango_cache (cache_key text PRIMARY KEY, value text NOT NULL, expires bigint NOT NULL);
+CREATE INDEX rustango_cache_expires ON rustango_cache (expires);
+INSERT INTO rustango_cache
+SELECT 'idem_replay-' || i,
+       '{"status":201,"headers":[["content-type","application/json"]],"body":"eyJpZCI6NDcxMSwic3RhdHVzIjoiY3JlYXRlZCJ9"}',
+       9999999999
+  FROM generate_series(0, $keys - 1) AS i;
+ANALYZE;
+SQL
+}
+
+# The ways peers.sh and statements.sh run (scripts under peers/): name, script, pgbench mode.
+ways=(
+    "replay store|store_replay.sql|simple"
+    "replay store prepared|prepared_replay.sql|prepared"
+    "replay store read-first|store_read_first_replay.sql|simple"
+    "replay rustango prepared|rustango_replay.sql|prepared"
+    "replay rustango simple|rustango_replay.sql|simple"
+    "new store|store_new.sql|simple"
+    "new store prepared|prepared_new.sql|prepared"
+    "new cratestack prepared|cratestack_new_bound.sql|prepared"
+    "new cratestack simple|cratestack_new.sql|simple"
+)
+
 declare -A tps
 bench() {
     local script="$1" mode="${2:-prepared}" out
