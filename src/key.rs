@@ -4,6 +4,9 @@ use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
+/// The default header: `Idempotency-Key`.
+pub const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("idempotency-key");
+
 use http::HeaderValue;
 use sha2::{Digest, Sha256};
 

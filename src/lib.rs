@@ -295,8 +295,10 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod answer;
 pub mod body;
 pub mod client;
+mod config;
 mod error;
 #[cfg(feature = "axum")]
 mod extract;
@@ -314,10 +316,12 @@ mod key;
 mod layer;
 pub mod message_id;
 mod mode;
+mod outcome;
 #[cfg(feature = "postgres")]
 pub mod phased;
 mod plain;
 pub mod rejection;
+mod request;
 pub mod response;
 mod service;
 pub mod store;

@@ -2,7 +2,6 @@
 //! transactional mode on [`Transactional`](crate::Transactional).
 
 use std::future::Future;
-use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -11,9 +10,8 @@ use tower_service::Service;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::error::BoxError;
-use crate::key::IdempotencyKey;
-use crate::layer::Config;
 use crate::plain::run_plain;
+use crate::request::Keyed;
 use crate::store::Store;
 
 /// What an [`IdempotencyLayer`](crate::IdempotencyLayer) keeps its keys in, and so how it
@@ -31,12 +29,6 @@ use crate::store::Store;
 pub trait Mode: Sealed + Clone + Send + Sync + 'static {}
 
 impl<St: Store> Mode for St {}
-
-/// A keyed request, as handed to a mode.
-pub(crate) struct Keyed {
-    pub(crate) config: Arc<Config>,
-    pub(crate) key: IdempotencyKey,
-}
 
 pub(crate) use private::Sealed;
 

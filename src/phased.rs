@@ -118,17 +118,19 @@ use tokio::sync::{Mutex, MutexGuard, OwnedMutexGuard};
 use tokio::time::Instant;
 use tower_service::Service;
 
+use crate::answer::{answer_taken, render, to_store};
 use crate::body::{RequestBody, ResponseBody};
 use crate::error::{BoxError, StoreError};
 use crate::key::IdempotencyKey;
-use crate::mode::{Keyed, Mode, Sealed};
+use crate::mode::{Mode, Sealed};
+use crate::outcome::{
+    InFlightGauge, Operation, Outcome, acquired_or_taken, lease_lost, log_store_error, record,
+    store_call,
+};
 use crate::plain::Lease;
 use crate::rejection::Rejection;
+use crate::request::{Keyed, Prepared, prepare};
 use crate::response::StoredResponse;
-use crate::service::{
-    InFlightGauge, Operation, Outcome, Prepared, acquired_or_taken, answer_taken, lease_lost,
-    log_store_error, prepare, record, render, store_call, to_store,
-};
 use crate::store::PostgresStore;
 use crate::store::listen::wake_statement;
 use crate::store::postgres::phases::{

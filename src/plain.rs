@@ -26,18 +26,19 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower_service::Service;
 
+use crate::answer::{Keep, ToStore, answer_taken, render, to_store};
 use crate::body::{RequestBody, ResponseBody};
+use crate::config::Config;
 use crate::error::BoxError;
 use crate::future::Steps;
 use crate::key::IdempotencyKey;
-use crate::layer::Config;
-use crate::mode::Keyed;
-use crate::rejection::Rejection;
-use crate::response::StoredResponse;
-use crate::service::{
-    Buffered, InFlightGauge, Keep, Operation, Outcome, ToStore, acquired_or_taken, answer_taken,
-    lease_lost, log_store_error, read_request, record, render, store_call, to_store,
+use crate::outcome::{
+    InFlightGauge, Operation, Outcome, acquired_or_taken, lease_lost, log_store_error, record,
+    store_call,
 };
+use crate::rejection::Rejection;
+use crate::request::{Buffered, Keyed, read_request};
+use crate::response::StoredResponse;
 use crate::store::{ClaimRequest, LeaseToken, Store};
 use crate::wait::claim_or_wait;
 

@@ -6,8 +6,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Response, StatusCode, header};
 
+use crate::key::IDEMPOTENCY_KEY;
 use crate::key::KeyError;
-use crate::layer::IDEMPOTENCY_KEY;
 
 /// The media type of every rejection body.
 pub const PROBLEM_JSON: &str = "application/problem+json";

@@ -110,15 +110,16 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use tower_service::Service;
 
+use crate::answer::{answer_taken, render, to_store};
 use crate::body::{RequestBody, ResponseBody};
 use crate::error::{BoxError, StoreError};
-use crate::mode::{Keyed, Mode, Sealed};
-use crate::rejection::Rejection;
-use crate::response::StoredResponse;
-use crate::service::{
-    InFlightGauge, Operation, Outcome, Prepared, Taken, answer_taken, log_store_error, prepare,
-    record, render, store_call, to_store,
+use crate::mode::{Mode, Sealed};
+use crate::outcome::{
+    InFlightGauge, Operation, Outcome, Taken, log_store_error, record, store_call,
 };
+use crate::rejection::Rejection;
+use crate::request::{Keyed, Prepared, prepare};
+use crate::response::StoredResponse;
 use crate::store::PostgresStore;
 use crate::store::listen::wake_statement;
 use crate::store::postgres::{

@@ -16,10 +16,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::config::Config;
 use crate::error::StoreError;
 use crate::key::IdempotencyKey;
-use crate::layer::Config;
-use crate::service::{Operation, Taken, store_call};
+use crate::outcome::{Operation, Taken, store_call};
 use crate::store::Store;
 
 /// The longest a waiter sleeps between two claims when its store says when keys change: a

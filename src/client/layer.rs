@@ -7,11 +7,12 @@ use std::time::Duration;
 use http::{HeaderName, StatusCode};
 use tower_layer::Layer;
 
+use super::config::ClientConfig;
 use super::retry::{ConnectionErrors, RetryStatuses};
 use super::service::IdempotentClient;
 use crate::error::ConfigError;
+use crate::key::IDEMPOTENCY_KEY;
 use crate::key::{KeyError, Purpose};
-use crate::layer::IDEMPOTENCY_KEY;
 
 /// The default bound on attempts per call ([`IdempotentClientLayer::with_max_attempts`]).
 const DEFAULT_MAX_ATTEMPTS: u32 = 5;
@@ -25,19 +26,6 @@ const DEFAULT_BASE_DELAY: Duration = Duration::from_millis(100);
 const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(2);
 /// The default limit of a buffered request body ([`IdempotentClientLayer::with_max_request_body`]).
 const DEFAULT_MAX_BODY: usize = 1024 * 1024;
-
-#[derive(Clone, Debug)]
-pub(crate) struct ClientConfig {
-    pub(crate) purpose: Purpose,
-    pub(crate) header: HeaderName,
-    pub(crate) max_attempts: u32,
-    pub(crate) attempt_timeout: Duration,
-    pub(crate) deadline: Duration,
-    pub(crate) base_delay: Duration,
-    pub(crate) max_delay: Duration,
-    pub(crate) max_body: usize,
-    pub(crate) retry_statuses: RetryStatuses,
-}
 
 /// Applies [`IdempotentClient`] to an outbound HTTP client: every request gets an
 /// idempotency key, and lost answers, `409` in progress, `429`, `502`, `503` and `504` are

@@ -145,6 +145,7 @@
 //! | `tower_idempotency_client_calls_total{purpose,outcome}` | counter | calls: `answered` (an answer that is not retried), `failed` (an error that is not retried), `exhausted` (the bounds were hit; the last outcome returned), `not_sent` (the body was too large or unreadable) |
 
 mod body;
+mod config;
 mod future;
 mod layer;
 mod retry;

@@ -14,8 +14,8 @@ use tracing::Instrument as _;
 
 use super::ClientError;
 use super::body::{ReplayBody, read_body};
+use super::config::ClientConfig;
 use super::future::ResponseFuture;
-use super::layer::ClientConfig;
 use super::retry::{ClassifyError, ConnectionErrors, retry_answer};
 use crate::error::BoxError;
 use crate::key::IdempotencyKey;

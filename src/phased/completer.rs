@@ -13,8 +13,8 @@ use tower_service::Service;
 use super::Phased;
 use crate::body::Chunks;
 use crate::error::{ConfigError, StoreError};
+use crate::request::Buffered;
 use crate::response::StoredResponse;
-use crate::service::Buffered;
 use crate::store::sql::{Lit, fill};
 
 /// The records a completer runs again: in progress with recorded phases and a kept request,
