@@ -9,20 +9,16 @@
 //! 2. [`Handling`] (by hand, each state holding only what it needs): run the handler and read
 //!    its answer while renewing the lease, then store the answer or release the key.
 
-use std::fmt;
 use std::future::Future;
 use std::ops::ControlFlow;
-use std::pin::{Pin, pin};
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, ready};
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, request::Parts};
 use http_body::Body;
 use pin_project_lite::pin_project;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower_service::Service;
 
@@ -32,115 +28,19 @@ use crate::config::Config;
 use crate::error::BoxError;
 use crate::future::Steps;
 use crate::key::IdempotencyKey;
+use crate::lease::Lease;
 use crate::outcome::{
-    InFlightGauge, Operation, Outcome, acquired_or_taken, lease_lost, log_store_error, record,
-    store_call,
+    InFlightGauge, Operation, Outcome, acquired_or_taken, log_store_error, record, store_call,
 };
 use crate::rejection::Rejection;
 use crate::request::{Buffered, Keyed, read_request};
-use crate::response::StoredResponse;
-use crate::store::{ClaimRequest, LeaseToken, Store};
+use crate::store::{ClaimRequest, Store};
 use crate::wait::claim_or_wait;
+use held::{Held, ReleaseGuard, Renewal, poll_renewal};
+
+mod held;
 
 type BoxTask = Pin<Box<dyn Future<Output = ()> + Send>>;
-
-/// The lease of a keyed request in plain mode, for its handler: whether the request still
-/// holds its key.
-///
-/// The layer inserts it into the request's extensions (plain mode only: in transactional
-/// mode the key is held by the request's transaction, which nothing can take over). While
-/// the handler runs, the layer renews the lease every third of its length
-/// ([`with_lease`](crate::IdempotencyLayer::with_lease)). The lease is **lost** when
-///
-/// - a renewal finds that the request no longer holds the key: another request took it
-///   over after the lease ran out, or the key's record expired (a handler slower than the
-///   TTL); or
-/// - no renewal has succeeded for a whole lease (the store could not be reached, or
-///   answered slower than a third of the lease, for about two thirds of it; or the process
-///   stalled): another request may take the key over at any moment.
-///
-/// Once lost, a lease stays lost. The handler is not cancelled: it runs on, and its client
-/// gets its answer, but that answer is stored only if no other request claimed the key
-/// meanwhile (completing takes the claim's fencing token). A handler with work still to do
-/// can stop early, or pass its work on with a [derived key](crate::IdempotencyKey::derive)
-/// so that the other side deduplicates it:
-///
-/// ```
-/// use http::{Request, StatusCode};
-/// use tower_idempotency::Lease;
-///
-/// async fn charge<B>(req: Request<B>) -> StatusCode {
-///     let lease = req.extensions().get::<Lease>().cloned();
-///     let work = async { /* the slow part */ StatusCode::CREATED };
-///     match lease {
-///         Some(lease) => tokio::select! {
-///             answer = work => answer,
-///             // Another request may be running this one's work now: stop here. A 5xx
-///             // stores nothing (and releases the key if this request still holds it).
-///             () = lease.lost() => StatusCode::SERVICE_UNAVAILABLE,
-///         },
-///         None => work.await,
-///     }
-/// }
-/// # let _ = charge::<()>;
-/// ```
-#[derive(Clone)]
-pub struct Lease {
-    state: Arc<LeaseState>,
-}
-
-struct LeaseState {
-    lost: AtomicBool,
-    notify: Notify,
-}
-
-impl Lease {
-    pub(crate) fn new() -> Self {
-        Self {
-            state: Arc::new(LeaseState {
-                lost: AtomicBool::new(false),
-                notify: Notify::new(),
-            }),
-        }
-    }
-
-    /// Whether the lease is lost: another request holds the key, or may take it over.
-    pub fn is_lost(&self) -> bool {
-        self.state.lost.load(Ordering::Acquire)
-    }
-
-    /// Waits until the lease is lost (returns at once if it is); to `select!` on while the
-    /// handler works. It never returns while the lease holds.
-    pub async fn lost(&self) {
-        let mut notified = pin!(self.state.notify.notified());
-        loop {
-            // Registered before the flag is read, so a loss in between is not missed.
-            notified.as_mut().enable();
-            if self.is_lost() {
-                return;
-            }
-            notified.as_mut().await;
-            notified.set(self.state.notify.notified());
-        }
-    }
-
-    /// Marks the lease lost and wakes the waiters; `true` if it was not lost before.
-    pub(crate) fn lose(&self) -> bool {
-        let first = !self.state.lost.swap(true, Ordering::AcqRel);
-        if first {
-            self.state.notify.notify_waiters();
-        }
-        first
-    }
-}
-
-impl fmt::Debug for Lease {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lease")
-            .field("lost", &self.is_lost())
-            .finish()
-    }
-}
 
 /// Runs a keyed request in plain mode.
 pub(crate) fn run_plain<St, S, ReqBody, ResBody>(
@@ -493,154 +393,5 @@ fn releasing<St: Store, F, B: Body, E>(
     State::Releasing {
         result: Some(result),
         release,
-    }
-}
-
-/// The renewal of a claimed key's lease while its handler runs.
-enum Renewal {
-    /// Not started: most handlers answer at their first poll.
-    Idle,
-    Running(BoxTask),
-    /// Ended, as the lease was lost, or never started, for want of a timer (outside a Tokio
-    /// runtime); never polled again.
-    Done,
-}
-
-/// Polls the renewal of the lease (made at the first call), which renews it every third of
-/// it while the handler runs, until the lease is lost.
-fn poll_renewal<St: Store>(
-    guard: &ReleaseGuard<St>,
-    renewal: &mut Renewal,
-    signal: &Lease,
-    lease: Duration,
-    cx: &mut Context<'_>,
-) {
-    if let Renewal::Idle = renewal
-        && let Some(held) = &guard.held
-    {
-        // Renewals need the runtime's timer. Outside a Tokio runtime (another executor polls
-        // the request) there is none: the lease is not renewed, and a handler that outlives it
-        // may see its key taken over (the layer documents it).
-        *renewal = if tokio::runtime::Handle::try_current().is_ok() {
-            Renewal::Running(Box::pin(renew(held.clone(), lease, signal.clone())))
-        } else {
-            Renewal::Done
-        };
-    }
-    if let Renewal::Running(task) = renewal
-        && task.as_mut().poll(cx).is_ready()
-    {
-        *renewal = Renewal::Done;
-    }
-}
-
-/// Renews the lease every third of it; marks it lost (and ends) when the store says the key
-/// is no longer this claim's, and marks it lost (renewing on) when no renewal succeeded for a
-/// whole lease since the last one that did (or the claim) was sent.
-async fn renew<St: Store>(held: Held<St>, lease: Duration, signal: Lease) {
-    let Held {
-        store,
-        scope,
-        key,
-        token,
-        claimed_at,
-        timeout,
-    } = held;
-    let period = lease / 3;
-    let mut confirmed = claimed_at;
-    loop {
-        tokio::time::sleep(period).await;
-        let sent = Instant::now();
-        // A renewal slower than a period counts as failed: the next one is due.
-        let renewal = store.renew(&scope, &key, token, lease);
-        match store_call(Operation::Renew, period.min(timeout), renewal).await {
-            Ok(true) => {
-                confirmed = sent;
-                tracing::trace!("idempotency lease renewed");
-            }
-            Ok(false) => {
-                if signal.lose() {
-                    lease_lost();
-                    tracing::warn!(
-                        "idempotency lease lost: another request holds the key now (the lease \
-                         ran out, or the key expired); the handler runs on, and its answer will \
-                         not be stored over the other request's"
-                    );
-                } else {
-                    tracing::debug!("idempotency lease lost: another request holds the key now");
-                }
-                return;
-            }
-            // Tried again at the next period; the lease outlives two missed renewals.
-            Err(err) => log_store_error(&err, "renew a lease"),
-        }
-        if confirmed.elapsed() >= lease && signal.lose() {
-            lease_lost();
-            tracing::warn!(
-                "idempotency lease may have run out: no renewal succeeded for a whole lease, so \
-                 another request may take the key over while this handler runs"
-            );
-        }
-    }
-}
-
-#[derive(Clone)]
-struct Held<St> {
-    store: St,
-    scope: String,
-    key: IdempotencyKey,
-    token: LeaseToken,
-    /// When the claim was sent: the lease runs from some moment after it.
-    claimed_at: Instant,
-    /// The layer's bound on one store call.
-    timeout: Duration,
-}
-
-/// Releases a claimed key on drop (in a task), unless its `held` was taken.
-struct ReleaseGuard<St: Store> {
-    held: Option<Held<St>>,
-}
-
-impl<St: Store> Held<St> {
-    /// Stores the answer. On failure the key is not released (the work was done): it is left
-    /// to its lease, so a retry cannot run the handler twice while the store is failing.
-    async fn complete(self, stored: &StoredResponse, ttl: Duration) {
-        let complete = self
-            .store
-            .complete(&self.scope, &self.key, self.token, stored, ttl);
-        match store_call(Operation::Complete, self.timeout, complete).await {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                "idempotency lease was lost while the handler ran (another request took the key \
-                 over); this answer was not stored"
-            ),
-            Err(err) => log_store_error(
-                &err,
-                "store the answer; the client gets it, the key waits for its lease",
-            ),
-        }
-    }
-
-    async fn release(self) {
-        let release = self.store.release(&self.scope, &self.key, self.token);
-        match store_call(Operation::Release, self.timeout, release).await {
-            Ok(_) => tracing::debug!("idempotency key released"),
-            Err(err) => {
-                log_store_error(&err, "release a key; it stays locked until its lease ends")
-            }
-        }
-    }
-}
-
-impl<St: Store> Drop for ReleaseGuard<St> {
-    fn drop(&mut self) {
-        if let Some(held) = self.held.take() {
-            // Dropped mid-request: the client went away or the handler panicked. Release in the
-            // background; without a runtime the lease frees the key when it runs out.
-            if let Ok(handle) = tokio::runtime::Handle::try_current() {
-                tracing::debug!("idempotent request dropped before it finished; releasing its key");
-                handle.spawn(held.release());
-            }
-        }
     }
 }

@@ -19,12 +19,12 @@ use tower_service::Service;
 use crate::answer::{answer_taken, render, to_store};
 use crate::body::{RequestBody, ResponseBody};
 use crate::error::{BoxError, StoreError};
+use crate::lease::Lease;
 use crate::mode::Sealed;
 use crate::outcome::{
     InFlightGauge, Operation, Outcome, acquired_or_taken, lease_lost, log_store_error, record,
     store_call,
 };
-use crate::plain::Lease;
 use crate::rejection::Rejection;
 use crate::request::{Keyed, Prepared, prepare};
 use crate::response::StoredResponse;

@@ -12,8 +12,8 @@ use tokio::sync::{Mutex, MutexGuard, OwnedMutexGuard};
 
 use crate::error::StoreError;
 use crate::key::IdempotencyKey;
+use crate::lease::Lease;
 use crate::outcome::{Operation, lease_lost, store_call};
-use crate::plain::Lease;
 use crate::store::LeaseToken;
 use crate::store::PostgresStore;
 use crate::store::postgres::db_error;
