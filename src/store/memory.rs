@@ -2,7 +2,9 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store};
+#[cfg(doc)]
+use super::Store;
+use super::{KeyNotifier, LeaseToken};
 use crate::key::{IdempotencyKey, MAX_KEY_LEN};
 
 mod answer;
@@ -401,6 +403,7 @@ mod tests {
 
     use super::*;
     use crate::error::StoreError;
+    use crate::store::{ClaimOutcome, ClaimRequest, Store};
     use crate::fingerprint::Fingerprint;
     use crate::response::StoredResponse;
     use bytes::Bytes;
