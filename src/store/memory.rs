@@ -5,6 +5,8 @@ use std::time::Duration;
 #[cfg(doc)]
 use super::Store;
 use super::{KeyNotifier, LeaseToken};
+#[cfg(doc)]
+use crate::error::StoreError;
 use crate::key::{IdempotencyKey, MAX_KEY_LEN};
 
 mod answer;
@@ -403,9 +405,9 @@ mod tests {
 
     use super::*;
     use crate::error::StoreError;
-    use crate::store::{ClaimOutcome, ClaimRequest, Store};
     use crate::fingerprint::Fingerprint;
     use crate::response::StoredResponse;
+    use crate::store::{ClaimOutcome, ClaimRequest, Store};
     use bytes::Bytes;
     use http::{HeaderMap, StatusCode};
 
