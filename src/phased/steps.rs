@@ -339,8 +339,8 @@ impl Phases {
             Some(IsolationLevel::Serializable) => Ok((self.fence().await?, true, false)),
             // A level below SERIALIZABLE: a bare `BEGIN`. The phase's statements on the record
             // refuse a lost lease at its end (`NOT_HELD`), which rolls the phase back; a look
-            // at the token here would tell the handler sooner, for a tenth of a payment
-            // handler's throughput (BENCHMARKS.md).
+            // at the token here would tell the handler sooner, for 100 µs of database CPU per
+            // request (BENCHMARKS.md).
             Some(level) => {
                 let (tx, _) = self.begin_with(self.inner.begin.to_owned()).await?;
                 Ok((tx, false, level == IsolationLevel::ReadCommitted))

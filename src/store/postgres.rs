@@ -189,7 +189,7 @@ const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 /// `Combined` suits most endpoints: one statement for a replay and two for a first request,
 /// neither of them the slowest of the three. `ReadFirst`'s replay is a bare `SELECT` prepared
 /// on the server connection (see "Poolers and bounds" on [`PostgresStore`]), the cheapest
-/// replay of the three (1.14–1.22× `Combined`'s over HTTP in one run, BENCHMARKS.md), for a
+/// replay of the three (1.13× `Combined`'s over HTTP, BENCHMARKS.md), for a
 /// third statement on every first request: for endpoints whose clients retry a lot. Its
 /// insert, also prepared, is `InsertFirst`'s first statement: a first request in two
 /// statements, level with `Combined`'s over HTTP, and a replay in two, for endpoints that
