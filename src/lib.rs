@@ -319,7 +319,7 @@ pub mod message_id;
 mod mode;
 mod outcome;
 #[cfg(feature = "postgres")]
-pub mod phased;
+pub use store::postgres::phased;
 mod plain;
 pub mod rejection;
 mod request;
@@ -330,7 +330,7 @@ pub mod store;
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 #[cfg(feature = "postgres")]
-pub mod transactional;
+pub use store::postgres::transactional;
 mod wait;
 
 pub use client::{ClientError, IdempotentClient, IdempotentClientLayer};

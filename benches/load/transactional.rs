@@ -176,7 +176,7 @@ async fn build_pg_tx(ctx: &Ctx, side: TxSide) -> Result<Built, BoxError> {
 
 /// References for `pg-tx` (not the layer): its handler with the layer's transactional SQL
 /// sent by hand on one pooled connection, the claim included or left out. With the claim,
-/// the messages are the layer's own (`src/transactional.rs`, `claim_batch` and
+/// the messages are the layer's own (`src/store/postgres/transactional/batches.rs`, `claim_batch` and
 /// `completion_batch`; `round_trips` asserts them): one simple query
 /// `BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; SELECT 'look' …; COMMIT; BEGIN;
 /// SELECT 'claim', c.* FROM tower_idempotency_claim_tx(…) AS c; SAVEPOINT …` (the look, then
@@ -195,7 +195,7 @@ struct ByHand {
     claim: bool,
 }
 
-/// The record's columns the layer's look returns (`RECORD_COLUMNS` in `src/transactional.rs`).
+/// The record's columns the layer's look returns (`RECORD_COLUMNS` in `src/store/postgres/transactional/batches.rs`).
 const LOOK_COLUMNS: &str = "k.fingerprint, k.lease_token, \
      (extract(epoch FROM k.lease_expires_at - now()) * 1000)::bigint AS lease_left_ms, \
      k.response_status, k.response_headers, k.response_body";

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use sqlx::postgres::{PgConnectOptions, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
+pub mod phased;
 pub(crate) mod phases;
+pub mod transactional;
 
 use super::listen::{PURGE_WAITING, PgNotifier};
 use super::sql::{Lit, append, prepared_name, push_bounds, push_execute};
