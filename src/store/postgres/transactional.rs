@@ -99,7 +99,6 @@
 
 use std::time::Duration;
 
-
 use crate::mode::Mode;
 use crate::store::PostgresStore;
 
