@@ -191,5 +191,5 @@ pub fn scope_digest(scope: &str) -> String {
     let mut hash = Sha256::new();
     hash.update(b"tower-idempotency scope\0");
     hash.update(scope.as_bytes());
-    fingerprint::hex(&hash.finalize())
+    crate::hex::encode(&hash.finalize())
 }

@@ -421,7 +421,6 @@ fn utf16_cmp(a: &str, b: &str) -> Ordering {
 
 /// Writes `s` as a JSON string with RFC 8785's escapes.
 fn write_string(s: &str, out: &mut Vec<u8>) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     out.push(b'"');
     let bytes = s.as_bytes();
     let mut run = 0;
@@ -442,8 +441,8 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
         out.push(b'\\');
         if short == 0 {
             out.extend_from_slice(b"u00");
-            out.push(HEX[usize::from(b >> 4)]);
-            out.push(HEX[usize::from(b & 0xf)]);
+            out.push(crate::hex::DIGITS[usize::from(b >> 4)]);
+            out.push(crate::hex::DIGITS[usize::from(b & 0xf)]);
         } else {
             out.push(short);
         }

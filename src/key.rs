@@ -174,7 +174,7 @@ impl IdempotencyKey {
                 format!("{}:{purpose}", self.0)
             } else {
                 let digest = Sha256::digest(self.0.as_bytes());
-                format!("{HASHED}{}:{purpose}", crate::fingerprint::hex(&digest))
+                format!("{HASHED}{}:{purpose}", crate::hex::encode(&digest))
             };
         IdempotencyKey(derived.into())
     }
@@ -184,7 +184,7 @@ impl IdempotencyKey {
     pub(crate) fn random() -> Result<Self, getrandom::Error> {
         let mut bytes = [0u8; 16];
         getrandom::fill(&mut bytes)?;
-        Ok(Self(crate::fingerprint::hex(&bytes).into()))
+        Ok(Self(crate::hex::encode(&bytes).into()))
     }
 
     /// The key as a header value: bare when that parses back to this key (the common case),
@@ -392,7 +392,7 @@ mod tests {
     #[test]
     fn a_long_key_and_the_hex_of_its_hash_derive_different_keys() {
         let long = IdempotencyKey::parse(&"k".repeat(255)).unwrap();
-        let hex = crate::fingerprint::hex(&Sha256::digest(long.as_str().as_bytes()));
+        let hex = crate::hex::encode(&Sha256::digest(long.as_str().as_bytes()));
         let short = IdempotencyKey::parse(&hex).unwrap();
         assert_ne!(
             long.derive("charge").unwrap(),
@@ -485,7 +485,7 @@ mod tests {
         }
 
         fn sha_hex(text: &str) -> String {
-            crate::fingerprint::hex(&Sha256::digest(text.as_bytes()))
+            crate::hex::encode(&Sha256::digest(text.as_bytes()))
         }
 
         /// A key as the parser can produce it: 1 to 255 printable ASCII characters.

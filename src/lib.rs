@@ -308,6 +308,7 @@ pub mod future;
 #[doc(hidden)]
 pub mod fuzzing;
 mod grpc;
+mod hex;
 #[cfg(feature = "postgres")]
 pub mod inbox;
 #[cfg(feature = "json")]

@@ -62,7 +62,7 @@ impl MessageId {
         }
         format!(
             "sha256-{}",
-            crate::fingerprint::hex(&Sha256::digest(id.as_bytes()))
+            crate::hex::encode(&Sha256::digest(id.as_bytes()))
         )
     }
 }

@@ -196,16 +196,8 @@ pub(crate) fn push_bounds(sql: &mut String, statement: Duration, lock: Duration)
 pub(crate) fn push_bytea(sql: &mut String, bytes: &[u8]) {
     sql.reserve(bytes.len() * 2 + 24);
     sql.push_str("decode('");
-    push_hex(sql, bytes);
+    crate::hex::push(sql, bytes);
     sql.push_str("','hex')");
-}
-
-fn push_hex(sql: &mut String, bytes: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for &b in bytes {
-        sql.push(char::from(HEX[usize::from(b >> 4)]));
-        sql.push(char::from(HEX[usize::from(b & 0xf)]));
-    }
 }
 
 /// Appends `text` to `sql` as an expression of type `text` whose meaning does not depend on
@@ -226,7 +218,7 @@ pub(crate) fn push_text(sql: &mut String, text: &str) -> Result<(), StoreError> 
     if !text.is_ascii() {
         sql.reserve(text.len() * 2 + 40);
         sql.push_str("convert_from(decode('");
-        push_hex(sql, text.as_bytes());
+        crate::hex::push(sql, text.as_bytes());
         sql.push_str("','hex'),'UTF8')");
         return Ok(());
     }

@@ -350,11 +350,7 @@ impl RedisStore {
         h.update(scope.as_bytes());
         h.update(key.as_str().as_bytes());
         let digest = h.finalize();
-        let mut tag = String::with_capacity(32);
-        for b in &digest[..16] {
-            tag.push(char::from(HEX[usize::from(b >> 4)]));
-            tag.push(char::from(HEX[usize::from(b & 15)]));
-        }
+        let tag = crate::hex::encode(&digest[..16]);
         let prefix = &self.prefix;
         (
             format!("{prefix}{{{tag}}}:r"),

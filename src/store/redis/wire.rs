@@ -35,8 +35,6 @@ pub(super) fn slot(key: &str) -> u16 {
     crc % 16384
 }
 
-pub(super) const HEX: &[u8; 16] = b"0123456789abcdef";
-
 /// Escapes the glob characters of `SCAN MATCH` in a literal.
 pub(super) fn glob_escape(literal: &str) -> String {
     let mut out = String::with_capacity(literal.len());
