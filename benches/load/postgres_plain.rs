@@ -140,9 +140,10 @@ VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'),
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING k.lease_token AS inserted";
 
-/// The claim of `ClaimStrategy::Combined`, by hand: the query that the store's claim function
-/// (`tower_idempotency_plain_claim`, migration 6) runs, as a prepared statement (for the
-/// `pg-plain-new-same-sql` baseline).
+/// The claim of `ClaimStrategy::Combined`, by hand, as one prepared statement (for the
+/// `pg-plain-new-same-sql` baseline): the record read by its key, and for an absent key the
+/// insert function called, as the store's claim function (`tower_idempotency_plain_claim`)
+/// does in PL/pgSQL.
 const HAND_COMBINED_CLAIM: &str = "SELECT CASE WHEN scope IS NULL
                  THEN tower_idempotency_insert_key($1, $2, $3, $4, $5) END AS inserted,
                fingerprint, lease_token, expires_at <= now() AS expired,

@@ -31,6 +31,9 @@
 #   tx_insert_complete.sql   (to decompose pg-tx) the transactional path without the claim
 #
 # and prints each one's transactions per second (one transaction = one request's SQL).
+#
+# The tx_claim_* scripts claim through tower_idempotency_claim_in_tx, a function of the
+# benchmark's own (claim_in_tx.sql), created in the schema after the crate's migrations.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -48,6 +51,7 @@ done
 
 # shellcheck source=lib.sh
 . "$here/lib.sh"
+psql_q -f "$here/claim_in_tx.sql"
 
 echo "pgbench: $clients clients, $threads threads, $seconds s each, $keys replay keys, schema $schema"
 fill_replay_keys

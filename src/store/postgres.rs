@@ -3,15 +3,17 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::StatusCode;
-use sha2::{Digest, Sha256};
 use std::sync::Arc;
 
 use sqlx::postgres::{PgConnectOptions, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
+mod migrate;
 pub mod phased;
 pub(crate) mod phases;
 pub mod transactional;
+
+pub(crate) use migrate::migrate;
 
 use super::listen::{PURGE_WAITING, PgNotifier};
 use super::sql::{Lit, append, prepared_name, push_bounds, push_execute};
@@ -19,79 +21,6 @@ use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store
 use crate::error::StoreError;
 use crate::key::IdempotencyKey;
 use crate::response::StoredResponse;
-
-/// The crate's migrations, applied in order by [`PostgresStore::migrate`].
-const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (
-        1,
-        "create keys",
-        include_str!("../../migrations/0001_create_keys.sql"),
-    ),
-    (
-        2,
-        "create processed messages",
-        include_str!("../../migrations/0002_create_processed_messages.sql"),
-    ),
-    (
-        3,
-        "transactional claim function",
-        include_str!("../../migrations/0003_transactional_claim.sql"),
-    ),
-    (
-        4,
-        "claim function",
-        include_str!("../../migrations/0004_claim_function.sql"),
-    ),
-    (
-        5,
-        "transactional claim at every isolation level",
-        include_str!("../../migrations/0005_transactional_claim_v2.sql"),
-    ),
-    (
-        6,
-        "plain mode's statements as functions",
-        include_str!("../../migrations/0006_plain_functions.sql"),
-    ),
-    (
-        7,
-        "the keys duplicates wait for",
-        include_str!("../../migrations/0007_waiting.sql"),
-    ),
-    (
-        8,
-        "lookups by key whatever the statistics say",
-        include_str!("../../migrations/0008_lookups_by_key.sql"),
-    ),
-    (
-        9,
-        "the transactional claim after a purge deleted the record it waited for",
-        include_str!("../../migrations/0009_claim_tx_after_a_purge.sql"),
-    ),
-    (
-        10,
-        "the functions resolve names in their own schema",
-        include_str!("../../migrations/0010_pinned_search_path.sql"),
-    ),
-    (
-        11,
-        "recovery points of phased mode, and leased claims of messages",
-        include_str!("../../migrations/0011_phases_and_leased_messages.sql"),
-    ),
-    (
-        12,
-        "plain mode's claim and completion, each one function",
-        include_str!("../../migrations/0012_lean_plain_functions.sql"),
-    ),
-    (
-        13,
-        "positions and failed attempts of message consumers",
-        include_str!("../../migrations/0013_consumer_positions_and_failures.sql"),
-    ),
-];
-
-/// The advisory lock taken while migrating, so that app instances starting together apply
-/// each migration once. (The bytes of "towidem1".)
-const MIGRATION_LOCK: i64 = 0x746f_7769_6465_6d31;
 
 /// A store in PostgreSQL, shared by every app instance that uses the same database.
 ///
@@ -108,10 +37,8 @@ const MIGRATION_LOCK: i64 = 0x746f_7769_6465_6d31;
 ///
 /// # Schema
 ///
-/// [`migrate`](PostgresStore::migrate) creates the table `tower_idempotency_keys`, the
-/// sequence `tower_idempotency_lease_token_seq`, the function `tower_idempotency_insert_key`
-/// (the claim's insert; see [`ClaimStrategy::Combined`]) and the inbox's table
-/// `tower_idempotency_processed_messages` in the first schema of the connection's
+/// [`migrate`](PostgresStore::migrate) creates the store's tables, sequence and functions
+/// (all named `tower_idempotency_*`, listed there) in the first schema of the connection's
 /// `search_path`, and records what it applied in its own history table,
 /// `tower_idempotency_migrations`, so it never touches the application's migration history.
 /// The SQL is in the crate's `migrations/` folder for those who apply migrations with their
@@ -230,8 +157,8 @@ impl PostgresStore {
     /// every process sharing the database (default `true`), for layers built
     /// [`with_wait_for_completion`](crate::IdempotencyLayer::with_wait_for_completion).
     ///
-    /// A waiting duplicate registers its key's hash in `tower_idempotency_waiting` (migration
-    /// 7) for a minute, and the store keeps one connection of its own (not from the pool,
+    /// A waiting duplicate registers its key's hash in `tower_idempotency_waiting` for a
+    /// minute, and the store keeps one connection of its own (not from the pool,
     /// opened by the first waiter, never when nobody waits) that `LISTEN`s on
     /// `tower_idempotency` and wakes the waiters of its process; a waiter holds no connection
     /// while it waits. Completions, releases and rollbacks look the key's hash up in their
@@ -635,75 +562,77 @@ impl PostgresStore {
         &self.pool
     }
 
-    /// Creates or upgrades the store's tables. Safe to call from several instances at once
-    /// (an advisory lock serialises them) and on every start (applied migrations are skipped).
+    /// Creates or upgrades the store's schema. Safe to call from several instances at once
+    /// (an advisory lock serialises them) and on every start (applied migrations are skipped);
+    /// it runs in one transaction, so it applies everything or nothing.
+    ///
+    /// It works in the first schema of the connection's `search_path`, and creates there:
+    ///
+    /// - the tables `tower_idempotency_keys` (the keys' records), `tower_idempotency_waiting`
+    ///   (the keys that duplicates wait for), `tower_idempotency_processed_messages`,
+    ///   `tower_idempotency_positions` and `tower_idempotency_message_failures` (the inbox),
+    ///   and `tower_idempotency_processed_messages_daily`, partitioned by day (its partitions
+    ///   are made and dropped by [`DailyInbox`](crate::inbox::DailyInbox));
+    /// - their indexes besides the primary keys: `tower_idempotency_keys_expires_at`,
+    ///   `tower_idempotency_keys_phased` (partial),
+    ///   `tower_idempotency_processed_messages_processed_at` and
+    ///   `tower_idempotency_message_failures_parked` (partial);
+    /// - the sequence `tower_idempotency_lease_token_seq`;
+    /// - the functions `tower_idempotency_now` (the store's clock),
+    ///   `tower_idempotency_plain_claim`, `tower_idempotency_plain_read`, `tower_idempotency_insert_key`,
+    ///   `tower_idempotency_plain_insert`, `tower_idempotency_plain_takeover`,
+    ///   `tower_idempotency_plain_complete` (two: with and without the wake-up),
+    ///   `tower_idempotency_plain_release` (two), `tower_idempotency_plain_renew`,
+    ///   `tower_idempotency_wake`, `tower_idempotency_claim_tx`, `tower_idempotency_complete_tx`
+    ///   (two), `tower_idempotency_phase_record`, `tower_idempotency_phase_held`,
+    ///   `tower_idempotency_phase_complete` and `tower_idempotency_record_message` (two: with
+    ///   and without a position);
+    /// - its history table, `tower_idempotency_migrations`: each migration applied, with the
+    ///   SHA-256 of its SQL.
+    ///
+    /// The schema is one migration, `migrations/0001_schema.sql` (version 1).
+    ///
+    /// # Databases migrated by earlier builds
+    ///
+    /// Earlier builds of the crate made the same schema in thirteen migrations (versions 1 to
+    /// 13). A database whose history records all thirteen, each with the checksum of its SQL,
+    /// is taken over in the same transaction, its rows kept: the function that nothing calls
+    /// (`tower_idempotency_claim_in_tx`) is dropped, the functions' settings are set as
+    /// version 1 sets them, and the thirteen rows of the history are replaced by version 1's.
+    ///
+    /// A history that records only some of the thirteen (a build older still), or a migration
+    /// with a checksum that matches none this crate knows, is refused with
+    /// [`StoreError::Schema`], and nothing is changed. Either run `migrate()` of a build that
+    /// still has the thirteen migrations, then this one; or reset the store once: in its
+    /// schema, run the statements below, which drop its tables, sequence and functions (the
+    /// keys' records and the inbox's processed message IDs go with them), then `migrate()`.
+    ///
+    /// ```sql
+    /// DROP TABLE IF EXISTS tower_idempotency_keys, tower_idempotency_waiting,
+    ///     tower_idempotency_processed_messages, tower_idempotency_positions,
+    ///     tower_idempotency_message_failures, tower_idempotency_processed_messages_daily,
+    ///     tower_idempotency_migrations;
+    /// DROP SEQUENCE IF EXISTS tower_idempotency_lease_token_seq;
+    /// DO $$
+    /// DECLARE
+    ///     f regprocedure;
+    /// BEGIN
+    ///     FOR f IN SELECT p.oid FROM pg_proc AS p JOIN pg_namespace AS n ON n.oid = p.pronamespace
+    ///               WHERE n.nspname = current_schema() AND p.proname LIKE 'tower\_idempotency\_%'
+    ///     LOOP
+    ///         EXECUTE format('DROP FUNCTION %s', f);
+    ///     END LOOP;
+    /// END
+    /// $$;
+    /// ```
     ///
     /// # Errors
     ///
-    /// [`StoreError::Backend`] when the database fails; [`StoreError::Schema`] when a
-    /// migration recorded as applied differs from the one this crate ships.
+    /// [`StoreError::Backend`] when the database fails; [`StoreError::Schema`] when the
+    /// history is refused (above), its message naming the schema and the way out.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         migrate(&self.pool).await
     }
-}
-
-/// Applies the crate's migrations (the keys table and the inbox table) on `pool`.
-pub(crate) async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
-    // READ COMMITTED whatever the connection's default: each statement after the lock must
-    // see what an instance that held the lock before committed (under REPEATABLE READ the
-    // snapshot would date from the lock's own statement, before the other's commit).
-    let mut tx = pool
-        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await?;
-    // Inside the transaction, a pooler keeps the server connection to this client: unnamed
-    // statements (`persistent(false)`) are safe there, named ones would outlive it.
-    sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(MIGRATION_LOCK)
-        .persistent(false)
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS tower_idempotency_migrations (
-             version     bigint      PRIMARY KEY,
-             description text        NOT NULL,
-             checksum    bytea       NOT NULL,
-             applied_at  timestamptz NOT NULL DEFAULT now()
-         )",
-    )
-    .persistent(false)
-    .execute(&mut *tx)
-    .await?;
-    let applied: Vec<(i64, Vec<u8>)> =
-        sqlx::query_as("SELECT version, checksum FROM tower_idempotency_migrations")
-            .persistent(false)
-            .fetch_all(&mut *tx)
-            .await?;
-    for &(version, description, sql) in MIGRATIONS {
-        let checksum = Sha256::digest(sql.as_bytes()).to_vec();
-        match applied.iter().find(|(v, _)| *v == version) {
-            Some((_, c)) if *c == checksum => continue,
-            Some(_) => {
-                return Err(StoreError::Schema(format!(
-                    "migration {version} ({description}) was applied with different SQL"
-                )));
-            }
-            None => {}
-        }
-        sqlx::raw_sql(sql).execute(&mut *tx).await?;
-        sqlx::query(
-            "INSERT INTO tower_idempotency_migrations (version, description, checksum)
-             VALUES ($1, $2, $3)",
-        )
-        .bind(version)
-        .bind(description)
-        .bind(checksum)
-        .persistent(false)
-        .execute(&mut *tx)
-        .await?;
-        tracing::info!(version, description, "applied tower-idempotency migration");
-    }
-    tx.commit().await?;
-    Ok(())
 }
 
 /// The arguments of the claim's statements: `$1` scope, `$2` key, `$3` fingerprint, `$4`
