@@ -77,6 +77,7 @@ pub use lease::{Claim, MessageLease};
 pub use order::Ordered;
 
 use crate::error::StoreError;
+use crate::store::postgres::sqlstate::{IN_FAILED_TRANSACTION, SERIALIZATION_FAILURE, sqlstate_is};
 use crate::store::postgres::{db_error, migrate, millis};
 use crate::store::sql::{Lit, fill};
 
@@ -263,7 +264,7 @@ async fn commit_unless_aborted_by<E>(
         .await
     {
         Ok(row) => row.try_get::<bool, _>(0).map_err(db_error)?,
-        Err(err) if has_sqlstate(&err, IN_FAILED_TRANSACTION) => false,
+        Err(err) if sqlstate_is(&err, IN_FAILED_TRANSACTION) => false,
         Err(err) => return Err(db_error(err).into()),
     };
     if !pending {
@@ -271,18 +272,6 @@ async fn commit_unless_aborted_by<E>(
     }
     tx.commit().await.map_err(db_error)?;
     Ok(())
-}
-
-/// SQLSTATE `serialization_failure`.
-const SERIALIZATION_FAILURE: &str = "40001";
-/// SQLSTATE `in_failed_sql_transaction`: a statement sent in an aborted transaction.
-const IN_FAILED_TRANSACTION: &str = "25P02";
-
-/// Whether `err` is a database error with SQLSTATE `code`.
-fn has_sqlstate(err: &sqlx::Error, code: &str) -> bool {
-    err.as_database_error()
-        .and_then(|db| db.code())
-        .is_some_and(|c| c == code)
 }
 
 /// Deletes up to `$2` IDs older than `$1` ms, oldest first, found by walking the
@@ -415,7 +404,7 @@ impl Inbox {
                 // Repeatable read or serializable: a delivery of the same message (or of
                 // the same key) committed after this transaction's snapshot, so the conflict
                 // is an error, not a no-op.
-                Err(err) if has_sqlstate(&err, SERIALIZATION_FAILURE) => {
+                Err(err) if sqlstate_is(&err, SERIALIZATION_FAILURE) => {
                     tx.rollback().await.map_err(db_error)?;
                     match self.duplicate_or(consumer, message_id, err).await {
                         // Not this message: another one of its key moved the position. The

@@ -22,19 +22,16 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 
-use super::{
-    Delivery, InboxError, MAX_MESSAGE_ID, SERIALIZATION_FAILURE, commit_unless_aborted_by,
-    has_sqlstate,
-};
+use super::{Delivery, InboxError, MAX_MESSAGE_ID, commit_unless_aborted_by};
 use crate::error::{ConfigError, StoreError};
+use crate::store::postgres::sqlstate::{
+    CHECK_VIOLATION, DUPLICATE_TABLE, INVALID_OBJECT_DEFINITION, SERIALIZATION_FAILURE, sqlstate_is,
+};
 use crate::store::postgres::{db_error, migrate, millis};
 use crate::store::sql::{Lit, fill};
 
 /// The partitioned table; each partition is this name and `_YYYYMMDD`.
 const TABLE: &str = "tower_idempotency_processed_messages_daily";
-
-/// SQLSTATE `check_violation`: among others, a row for which no partition exists.
-const CHECK_VIOLATION: &str = "23514";
 
 /// Records the message's ID in its day's partition, waiting at most `$4` ms for a concurrent
 /// delivery of the same message; the work's own `lock_timeout` is put back after.
@@ -262,7 +259,9 @@ impl DailyInbox {
             match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&self.pool).await {
                 Ok(_) => done.created.push(partition_name(day)),
                 // Another process made it between the look and the create.
-                Err(e) if has_sqlstate(&e, "42P07") || has_sqlstate(&e, "42P17") => {}
+                Err(e)
+                    if sqlstate_is(&e, DUPLICATE_TABLE)
+                        || sqlstate_is(&e, INVALID_OBJECT_DEFINITION) => {}
                 Err(e) => return Err(db_error(e)),
             }
         }
@@ -337,10 +336,10 @@ impl DailyInbox {
             Ok(rows) => rows
                 .iter()
                 .any(|r| r.try_get::<bool, _>("recorded").is_ok()),
-            Err(e) if has_sqlstate(&e, CHECK_VIOLATION) => {
+            Err(e) if sqlstate_is(&e, CHECK_VIOLATION) => {
                 return Err(InboxError::OutsideRetention);
             }
-            Err(e) if has_sqlstate(&e, SERIALIZATION_FAILURE) => {
+            Err(e) if sqlstate_is(&e, SERIALIZATION_FAILURE) => {
                 tx.rollback().await.map_err(db_error)?;
                 return self.duplicate_or(consumer, message_id, day, e).await;
             }

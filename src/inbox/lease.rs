@@ -5,11 +5,9 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
 use super::order::{ADVANCE_ATTEMPTS, check_key, raced};
-use super::{
-    Inbox, InboxError, LOOK, MAX_MESSAGE_ID, Ordered, SERIALIZATION_FAILURE, commit_unless_aborted,
-    has_sqlstate, lease_left,
-};
+use super::{Inbox, InboxError, LOOK, MAX_MESSAGE_ID, Ordered, commit_unless_aborted, lease_left};
 use crate::error::StoreError;
+use crate::store::postgres::sqlstate::{SERIALIZATION_FAILURE, sqlstate_is};
 use crate::store::postgres::{db_error, millis};
 use crate::store::sql::{Lit, fill};
 
@@ -191,7 +189,7 @@ impl Inbox {
                 Ok(None) => {}
                 // REPEATABLE READ or SERIALIZABLE by default: a row committed after the
                 // statement's snapshot. Look again with a new one.
-                Err(e) if has_sqlstate(&e, SERIALIZATION_FAILURE) => continue,
+                Err(e) if sqlstate_is(&e, SERIALIZATION_FAILURE) => continue,
                 Err(e) => return Err(db_error(e).into()),
             }
             let row = sqlx::raw_sql(AssertSqlSafe(look.as_str()))
@@ -369,7 +367,7 @@ impl MessageLease {
                 // REPEATABLE READ or SERIALIZABLE: another delivery of the key moved its
                 // position after this transaction's snapshot. The finish rolls back with it
                 // (the claim is still held) and the work has not run: begin again.
-                Err(e) if has_sqlstate(&e, SERIALIZATION_FAILURE) => {
+                Err(e) if sqlstate_is(&e, SERIALIZATION_FAILURE) => {
                     tx.rollback().await.map_err(db_error)?;
                     attempts += 1;
                     if attempts >= ADVANCE_ATTEMPTS {

@@ -14,12 +14,10 @@
 
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
-use super::{
-    Inbox, InboxError, MAX_MESSAGE_ID, SERIALIZATION_FAILURE, commit_unless_aborted_by,
-    has_sqlstate,
-};
+use super::{Inbox, InboxError, MAX_MESSAGE_ID, commit_unless_aborted_by};
 use crate::error::StoreError;
 use crate::store::postgres::db_error;
+use crate::store::postgres::sqlstate::{SERIALIZATION_FAILURE, sqlstate_is};
 use crate::store::sql::{Lit, fill};
 
 /// Whether a message in order was applied.
@@ -140,7 +138,7 @@ pub(super) async fn advance(
     match row {
         Ok(Some(_)) => Ok(Advance::Moved),
         Ok(None) => Ok(Advance::Stale),
-        Err(e) if has_sqlstate(&e, SERIALIZATION_FAILURE) => Ok(Advance::Raced),
+        Err(e) if sqlstate_is(&e, SERIALIZATION_FAILURE) => Ok(Advance::Raced),
         Err(e) => Err(db_error(e)),
     }
 }

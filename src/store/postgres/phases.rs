@@ -71,9 +71,6 @@ pub(crate) fn decode(mut bytes: &[u8]) -> Result<Recorded, StoreError> {
     Ok(phases)
 }
 
-/// The SQLSTATE the phase functions raise when the token no longer holds the record.
-pub(crate) const NOT_HELD: &str = "TI001";
-
 /// Where the phase functions find the record: by key (`NULL`), or by the row id that
 /// [`fence_batch`] kept.
 fn row_arg(fenced: bool) -> &'static str {

@@ -207,7 +207,7 @@ mod tx;
 use batches::*;
 use run::*;
 
-pub(crate) use batches::{CompletionBatch, IN_FAILED_TRANSACTION, run_completion, sqlstate};
+pub(crate) use batches::{CompletionBatch, run_completion};
 pub(crate) use tx::OpenTx;
 pub use tx::{IdempotentTx, TxConn, TxUnavailable};
 

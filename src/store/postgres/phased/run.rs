@@ -30,14 +30,15 @@ use crate::request::{Keyed, Prepared, prepare};
 use crate::response::StoredResponse;
 use crate::store::PostgresStore;
 use crate::store::listen::wake_statement;
+use crate::store::postgres::db_error;
 use crate::store::postgres::phases::{
-    self, NOT_HELD, Recorded, complete_statement, read_statement, yield_statement,
+    self, Recorded, complete_statement, read_statement, yield_statement,
 };
-use crate::store::postgres::{db_error, is_serialization_failure};
+use crate::store::postgres::sqlstate::{
+    IN_FAILED_TRANSACTION, NOT_HELD, is_serialization_failure, sqlstate_is,
+};
 use crate::store::{ClaimRequest, Store};
-use crate::transactional::{
-    CompletionBatch, IN_FAILED_TRANSACTION, IsolationLevel, run_completion, sqlstate,
-};
+use crate::transactional::{CompletionBatch, IsolationLevel, run_completion};
 use crate::wait::claim_or_wait;
 
 use super::Phased;
@@ -219,7 +220,7 @@ async fn complete_last(
             tx.ended();
             Ok(Completion::Committed)
         }
-        Err(e) if sqlstate(&e).as_deref() == Some(IN_FAILED_TRANSACTION) => {
+        Err(e) if sqlstate_is(&e, IN_FAILED_TRANSACTION) => {
             // The handler left its last phase aborted: none of its writes can commit. Roll
             // them back and store its answer alone (the steps before stay committed).
             tx.rollback(None).await;
@@ -229,11 +230,11 @@ async fn complete_last(
                 .await
             {
                 Ok(_) => Ok(Completion::StoredAlone),
-                Err(e) if sqlstate(&e).as_deref() == Some(NOT_HELD) => Ok(Completion::LeaseLost),
+                Err(e) if sqlstate_is(&e, NOT_HELD) => Ok(Completion::LeaseLost),
                 Err(e) => Ok(Completion::Failed(e)),
             }
         }
-        Err(e) if sqlstate(&e).as_deref() == Some(NOT_HELD) => {
+        Err(e) if sqlstate_is(&e, NOT_HELD) => {
             tx.rollback_later();
             Ok(Completion::LeaseLost)
         }
@@ -421,7 +422,7 @@ impl Sealed for Phased {
             };
             match store_call(Operation::Complete, config.store_timeout, completed).await {
                 Ok(Ok(_)) => {}
-                Ok(Err(e)) if sqlstate(&e).as_deref() == Some(NOT_HELD) => {
+                Ok(Err(e)) if sqlstate_is(&e, NOT_HELD) => {
                     phases.lose();
                     tracing::warn!(
                         "idempotency lease was lost while the handler ran (another request \

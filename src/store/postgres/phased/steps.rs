@@ -18,12 +18,10 @@ use crate::store::LeaseToken;
 use crate::store::PostgresStore;
 use crate::store::postgres::db_error;
 use crate::store::postgres::phases::{
-    self, MAX_PHASES_BYTES, NOT_HELD, Recorded, begin_batch, fence_batch, record_batch,
+    self, MAX_PHASES_BYTES, Recorded, begin_batch, fence_batch, record_batch,
 };
-use crate::transactional::{
-    CompletionBatch, IN_FAILED_TRANSACTION, IsolationLevel, OpenTx, TxConn, run_completion,
-    sqlstate,
-};
+use crate::store::postgres::sqlstate::{IN_FAILED_TRANSACTION, NOT_HELD, sqlstate_is};
+use crate::transactional::{CompletionBatch, IsolationLevel, OpenTx, TxConn, run_completion};
 
 use super::{PhaseState, level_code, level_named};
 
@@ -260,11 +258,11 @@ impl Phases {
                 }
                 Ok(value)
             }
-            Err(e) if sqlstate(&e).as_deref() == Some(IN_FAILED_TRANSACTION) => {
+            Err(e) if sqlstate_is(&e, IN_FAILED_TRANSACTION) => {
                 tx.rollback(None).await;
                 Err(PhaseError::Aborted)
             }
-            Err(e) if sqlstate(&e).as_deref() == Some(NOT_HELD) => {
+            Err(e) if sqlstate_is(&e, NOT_HELD) => {
                 tx.rollback(None).await;
                 self.lose();
                 Err(PhaseError::LeaseLost)

@@ -25,9 +25,6 @@ pub(super) const CLAIM_ATTEMPTS: usize = 3;
 /// The `Retry-After` of a key held by another transaction (its end is not known).
 pub(super) const HELD_RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// SQLSTATE 25P02: a statement was sent in a transaction that an earlier error aborted.
-pub(crate) const IN_FAILED_TRANSACTION: &str = "25P02";
-
 /// The advisory lock of a (scope, key): 64 bits of its SHA-256.
 pub(super) fn lock_id(scope: &str, key: &str) -> i64 {
     let mut h = Sha256::new();
@@ -59,11 +56,6 @@ pub(super) fn classify(row: &PgRow, fingerprint: &[u8]) -> Result<Option<Taken>,
         });
     }
     Ok(Some(Taken::Completed(decode_response(row)?)))
-}
-
-/// The SQLSTATE of a database error.
-pub(crate) fn sqlstate(err: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
-    err.as_database_error().and_then(|db| db.code())
 }
 
 /// The record's columns, as the claim function returns them.

@@ -21,7 +21,10 @@ use crate::outcome::{
 use crate::rejection::Rejection;
 use crate::request::{Keyed, Prepared, prepare};
 use crate::response::StoredResponse;
-use crate::store::postgres::{LOCK_NOT_AVAILABLE, db_error, is_serialization_failure, sqlstate_is};
+use crate::store::postgres::db_error;
+use crate::store::postgres::sqlstate::{
+    IN_FAILED_TRANSACTION, LOCK_NOT_AVAILABLE, is_serialization_failure, sqlstate_is,
+};
 use crate::wait::claim_or_wait;
 
 use super::*;
@@ -157,7 +160,7 @@ pub(super) async fn complete(
         }
         Err(e) => e,
     };
-    if sqlstate(&err).as_deref() != Some(IN_FAILED_TRANSACTION) {
+    if !sqlstate_is(&err, IN_FAILED_TRANSACTION) {
         tx.rollback_later();
         return Ok(Completion::Failed(err));
     }

@@ -1,0 +1,198 @@
+//! How a claim is decided: the strategy's statements, the record it found classified, and
+//! phased mode's claim whose commit does not wait for its flush.
+
+use std::time::Duration;
+
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
+use super::*;
+use crate::error::StoreError;
+use crate::store::sql::Lit;
+
+impl PostgresStore {
+    pub(super) async fn read(&self, req: &ClaimRequest<'_>) -> Result<Option<PgRow>, StoreError> {
+        let args = claim_args(req, self.lock_timeout);
+        let rows = if self.prepared {
+            self.rows(READ_CALL, &args).await?
+        } else {
+            self.run_named(&READ, &args[..3]).await?
+        };
+        Ok(rows.into_iter().next())
+    }
+
+    /// The token of a fresh claim, or `None` when the key exists.
+    pub(super) async fn insert(&self, req: &ClaimRequest<'_>) -> Result<Option<i64>, StoreError> {
+        let args = claim_args(req, self.lock_timeout);
+        if !self.prepared {
+            return match self.run_named(&INSERT, &args[..5]).await?.first() {
+                Some(row) => Ok(Some(row.try_get("inserted")?)),
+                None => Ok(None),
+            };
+        }
+        match self.rows(INSERT_CALL, &args).await?.first() {
+            Some(row) => Ok(row.try_get("inserted")?),
+            None => Err(StoreError::Corrupt("the insert returned no row".into())),
+        }
+    }
+
+    /// Runs a statement that acts on a claimed key (complete, release, renew) and returns the
+    /// rows it changed. Under REPEATABLE READ or SERIALIZABLE (the connection's default), such
+    /// a statement fails with a serialization failure when the row changed after its snapshot
+    /// (a renewal still in flight as the answer is stored); it is run again, with a new
+    /// snapshot: the token condition decides anew.
+    pub(super) async fn execute_token_statement(
+        &self,
+        template: &'static str,
+        args: &[Lit<'_>],
+    ) -> Result<u64, StoreError> {
+        let mut attempts = 1;
+        loop {
+            match self.rows(template, args).await {
+                Ok(rows) => {
+                    let changed = match rows.first() {
+                        Some(row) => row.try_get::<i64, _>("changed")?,
+                        None => 0,
+                    };
+                    return Ok(changed.unsigned_abs());
+                }
+                Err(e) if lost_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One attempt of the claim's first step, as the strategy sends it.
+    pub(super) async fn look_and_insert(
+        &self,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Decision, StoreError> {
+        Ok(match self.strategy {
+            ClaimStrategy::Combined => {
+                let rows = self
+                    .rows(CLAIM, &claim_args(req, self.lock_timeout))
+                    .await?;
+                let row = rows
+                    .first()
+                    .ok_or_else(|| StoreError::Corrupt("the claim returned no row".into()))?;
+                match row.try_get::<Option<i64>, _>("inserted")? {
+                    Some(token) => Decision::Done(acquired(token, false)),
+                    None => decide(row, req)?,
+                }
+            }
+            ClaimStrategy::ReadFirst => match self.read(req).await? {
+                Some(row) => decide(&row, req)?,
+                None => match self.insert(req).await? {
+                    Some(token) => Decision::Done(acquired(token, false)),
+                    None => Decision::Retry,
+                },
+            },
+            ClaimStrategy::InsertFirst => match self.insert(req).await? {
+                Some(token) => Decision::Done(acquired(token, false)),
+                None => match self.read(req).await? {
+                    Some(row) => decide(&row, req)?,
+                    // Deleted between the two statements (released or purged).
+                    None => Decision::Retry,
+                },
+            },
+        })
+    }
+
+    /// The claim of phased mode: a new key's record is inserted by a transaction whose commit
+    /// does not wait for its WAL flush, with a token no crash can hand out twice; a key that
+    /// has a record is claimed as [`Store::claim`] claims it.
+    ///
+    /// A phased claim is a lease, not a result: nothing is answered from it, and every phase
+    /// after it commits fenced by its token and waits for its own flush, which flushes the
+    /// claim's earlier WAL with it. A crash that loses the claim therefore loses nothing that
+    /// was answered or committed after it: the request that held it finds its next phase
+    /// refused (the key has no record, or another request's token), and a retry claims the
+    /// key anew (`tests/database_crash.rs`). What the flush would have cost is a wait on the
+    /// WAL for every request before its handler starts (BENCHMARKS.md).
+    pub(crate) async fn claim_lease(
+        &self,
+        req: ClaimRequest<'_>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let token = unrepeatable_token()?;
+        let mut args = claim_args(&req, self.lock_timeout);
+        // `$6`: the token instead of the lock timeout, which the message's settings carry.
+        args[5] = Lit::Int(token);
+        match self.run_named(&LEASE_INSERT, &args).await {
+            Ok(rows) if !rows.is_empty() => return Ok(acquired(token, false)),
+            // The key has a record: replay, refuse or take it over as any claim does.
+            Ok(_) => {}
+            Err(e) if waited_for_lock(&e) => return Ok(held_elsewhere()),
+            Err(e) => return Err(e),
+        }
+        self.claim(req).await
+    }
+}
+
+/// The arguments of the claim's statements: `$1` scope, `$2` key, `$3` fingerprint, `$4`
+/// lease (ms), `$5` time to live (ms).
+pub(super) fn claim_args<'a>(req: &'a ClaimRequest<'a>, lock_timeout: Duration) -> [Lit<'a>; 6] {
+    [
+        Lit::Text(req.scope),
+        Lit::Text(req.key.as_str()),
+        Lit::Bytes(req.fingerprint.as_bytes()),
+        Lit::Int(millis(req.lease)),
+        // An in-progress record lives at least as long as its lease.
+        Lit::Int(millis(req.ttl.max(req.lease))),
+        Lit::Int(millis(lock_timeout)),
+    ]
+}
+
+/// How often a claim that lost a race is run again before giving up with "in flight".
+pub(super) const CLAIM_ATTEMPTS: usize = 4;
+
+pub(super) enum Decision {
+    Done(ClaimOutcome),
+    /// The record is expired or abandoned: take it over ([`TAKEOVER`]).
+    TakeOver {
+        /// `false` when the old record had merely expired (that is a new claim).
+        abandoned: bool,
+    },
+    /// No record in our snapshot, yet the insert conflicted: a concurrent insert won. Claim
+    /// again.
+    Retry,
+}
+
+/// Classifies the record read by [`CLAIM`] or [`READ`] (without an `inserted` token).
+pub(super) fn decide(row: &PgRow, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
+    let Some(fingerprint) = row.try_get::<Option<Vec<u8>>, _>("fingerprint")? else {
+        return Ok(Decision::Retry);
+    };
+    if row.try_get::<Option<bool>, _>("claimable")? == Some(true) {
+        let expired: Option<bool> = row.try_get("expired")?;
+        return Ok(Decision::TakeOver {
+            abandoned: expired == Some(false),
+        });
+    }
+    if fingerprint != req.fingerprint.as_bytes() {
+        return Ok(Decision::Done(ClaimOutcome::Mismatch));
+    }
+    if row.try_get::<Option<i64>, _>("lease_token")?.is_some() {
+        let left: Option<i64> = row.try_get("lease_left_ms")?;
+        let left = u64::try_from(left.unwrap_or(0)).unwrap_or(0);
+        return Ok(Decision::Done(ClaimOutcome::InFlight {
+            retry_after: Duration::from_millis(left),
+        }));
+    }
+    Ok(Decision::Done(ClaimOutcome::Completed(decode_response(
+        row,
+    )?)))
+}
+
+/// The key is held by another request (or transaction): "in flight", retry in a second.
+pub(super) fn held_elsewhere() -> ClaimOutcome {
+    ClaimOutcome::InFlight {
+        retry_after: Duration::from_secs(1),
+    }
+}
+
+pub(super) fn acquired(token: i64, takeover: bool) -> ClaimOutcome {
+    ClaimOutcome::Acquired {
+        token: LeaseToken::from_raw(token),
+        takeover,
+    }
+}

@@ -1,0 +1,169 @@
+//! The store's statements: its functions' calls, and the statements written out in SQL that
+//! run prepared by name.
+
+use crate::error::StoreError;
+
+/// The claim, in one statement: the function `tower_idempotency_plain_claim` reads the
+/// record by its key and, only when the key is absent, inserts it. For a replay, an in-flight
+/// key or a mismatch it costs the database the read alone; it returns one row whether or not
+/// the key was there. (An `INSERT` written into the statement, as a data-modifying CTE, is set
+/// up by the executor on every execution even when it inserts nothing: a replay through such a
+/// statement took about 1.6 times the plain read's backend CPU in pgbench.)
+///
+/// Under READ COMMITTED the insert takes a fresh snapshot. When a concurrent request inserted
+/// the key after the read's snapshot, the insert conflicts: the function returns neither an
+/// inserted token nor a record, and the caller runs it again with a fresh snapshot. A record
+/// that is expired, or whose lease ran out, comes back `claimable` and is taken over by
+/// [`TAKEOVER`], a second statement that only this rare path pays for.
+///
+/// Arguments of every claim statement: `$1` scope, `$2` key, `$3` fingerprint, `$4` lease
+/// (ms), `$5` time to live (ms), `$6` lock timeout (ms).
+pub(super) const CLAIM: &str =
+    "SELECT * FROM tower_idempotency_plain_claim($1, $2, $3, $4, $5, $6)";
+
+/// The schema of the store's functions as the connection's `search_path` finds them (where
+/// its calls of them go), quoted as an identifier.
+pub(super) const SCHEMA_OF_THE_STORE: &str = "\
+SELECT pg_catalog.quote_ident(n.nspname) \
+  FROM pg_catalog.pg_proc AS p JOIN pg_catalog.pg_namespace AS n ON n.oid = p.pronamespace \
+ WHERE p.oid = 'tower_idempotency_now()'::pg_catalog.regprocedure";
+
+/// A statement of the store written out in SQL (not a call of one of its functions), sent
+/// prepared by name ([`PostgresStore::run_named`]): planning such a statement is most of what
+/// it costs the database, and a prepared one is planned once per server connection.
+pub(super) struct Bare {
+    /// The statement, its values as `$1`…`$n`.
+    pub(super) text: &'static str,
+    /// Whether it can wait for a row lock (another transaction writing the key's row), so
+    /// that its message sets the store's `lock_timeout`.
+    pub(super) locks: bool,
+    /// Whether it reads the table, so that its plan could be a scan (an `INSERT … VALUES`
+    /// cannot).
+    pub(super) scans: bool,
+    /// Whether its commit may return before its WAL is flushed (`synchronous_commit = off`):
+    /// only a statement whose effect every later commit that depends on it makes durable
+    /// ([`LEASE_INSERT`]).
+    pub(super) unflushed: bool,
+}
+
+/// The read alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`] with
+/// prepared statements ([`PostgresStore::with_prepared_statements`]): a call of the function
+/// that reads the record in the store's own schema. Otherwise [`READ`].
+pub(super) const READ_CALL: &str = "SELECT * FROM tower_idempotency_plain_read($1, $2, $3, $6)";
+
+/// The read alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`]: a
+/// bare `SELECT` by key (it takes no lock, so it needs no lock bound), with the columns
+/// [`decide`] reads. `$1` scope, `$2` key, `$3` fingerprint.
+pub(super) const READ: Bare = Bare {
+    locks: false,
+    scans: true,
+    unflushed: false,
+    text: READ_TEXT,
+};
+pub(super) const READ_TEXT: &str = "\
+SELECT k.fingerprint, k.lease_token, k.expires_at <= tower_idempotency_now() AS expired, \
+       (k.expires_at <= tower_idempotency_now() \
+        OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= tower_idempotency_now() \
+            AND k.fingerprint = $3)) AS claimable, \
+       (extract(epoch FROM k.lease_expires_at - tower_idempotency_now()) * 1000)::bigint \
+           AS lease_left_ms, \
+       k.response_status, k.response_headers, k.response_body \
+  FROM tower_idempotency_keys AS k WHERE k.scope = $1 AND k.key = $2";
+
+/// The insert alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`]
+/// with prepared statements ([`PostgresStore::with_prepared_statements`]), a call of the
+/// function that bounds its own lock wait: the new record's token, or `NULL` when the key
+/// exists.
+pub(super) const INSERT_CALL: &str =
+    "SELECT tower_idempotency_plain_insert($1, $2, $3, $4, $5, $6) AS inserted";
+
+/// The insert alone, sent prepared by name: one row with the new record's token, or none
+/// when the key exists. It waits for a concurrent insert of the same key to commit or roll
+/// back (a transactional-mode request holds its row for as long as its handler runs), so its
+/// message bounds the wait.
+pub(super) const INSERT: Bare = Bare {
+    locks: true,
+    scans: false,
+    unflushed: false,
+    text: "\
+INSERT INTO tower_idempotency_keys AS k \
+       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at) \
+VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'), \
+        tower_idempotency_now() + $4::float8 * interval '1 millisecond', \
+        tower_idempotency_now() + $5::float8 * interval '1 millisecond') \
+ON CONFLICT (scope, key) DO NOTHING \
+RETURNING k.lease_token AS inserted",
+};
+
+/// The insert of a phased-mode claim ([`PostgresStore::claim_lease`]): [`INSERT`] with the
+/// token given as `$6` (from [`unrepeatable_token`]), committed without waiting for its WAL
+/// flush.
+pub(super) const LEASE_INSERT: Bare = Bare {
+    locks: true,
+    scans: false,
+    unflushed: true,
+    text: "\
+INSERT INTO tower_idempotency_keys AS k \
+       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at) \
+VALUES ($1, $2, $3, $6, \
+        tower_idempotency_now() + $4::float8 * interval '1 millisecond', \
+        tower_idempotency_now() + $5::float8 * interval '1 millisecond') \
+ON CONFLICT (scope, key) DO NOTHING \
+RETURNING k.lease_token AS inserted",
+};
+
+/// A lease token no claim lost in a crash can have handed out before: 62 random bits above
+/// bit 62, so never one of the sequence's tokens either.
+///
+/// The sequence cannot give that promise to a claim whose commit does not wait for its WAL
+/// flush: a crash that loses the claim's commit loses the sequence's advance with it, and
+/// the server hands the same number out again after the restart, to the request that claims
+/// the key anew while the first still runs and holds that number.
+pub(super) fn unrepeatable_token() -> Result<i64, StoreError> {
+    let random = getrandom::u64().map_err(|e| StoreError::Backend(Box::new(e)))?;
+    // `random >> 2` < 2^62, so the sum is in 2^62..2^63: a positive `i64`.
+    i64::try_from((random >> 2) | (1 << 62)).map_err(|e| StoreError::Backend(Box::new(e)))
+}
+
+/// Takes over a record that is expired or whose lease ran out. The condition is checked
+/// again on the row's latest version, so of two requests taking over at once, one wins; the
+/// other gets `NULL` and claims again.
+pub(super) const TAKEOVER: &str =
+    "SELECT tower_idempotency_plain_takeover($1, $2, $3, $4, $5, $6) AS lease_token";
+
+/// Stores the answer while `$3` (the token) holds the record: `$4` time to live (ms), `$5`
+/// status, `$6` headers, `$7` body, `$8` lock timeout (ms). Returns the rows changed.
+pub(super) const COMPLETE: &str = "SELECT tower_idempotency_plain_complete(\
+     $1, $2, $3, $4, $5::smallint, $6, $7, $8) AS changed";
+
+/// [`COMPLETE`], also waking the key's waiters: `$9` the key's hash.
+pub(super) const COMPLETE_WAKE: &str = "SELECT tower_idempotency_plain_complete(\
+     $1, $2, $3, $4, $5::smallint, $6, $7, $8, $9) AS changed";
+
+/// Deletes the record while `$3` (the token) holds it; `$4` lock timeout (ms).
+pub(super) const RELEASE: &str =
+    "SELECT tower_idempotency_plain_release($1, $2, $3, $4) AS changed";
+
+/// [`RELEASE`], also waking the key's waiters: `$5` the key's hash.
+pub(super) const RELEASE_WAKE: &str =
+    "SELECT tower_idempotency_plain_release($1, $2, $3, $4, $5) AS changed";
+
+/// Extends the lease `$3` (the token) holds by `$4` ms; `$5` lock timeout (ms).
+pub(super) const RENEW: &str =
+    "SELECT tower_idempotency_plain_renew($1, $2, $3, $4, $5) AS changed";
+
+/// Deletes up to `$1` expired records, oldest first, found by walking the `expires_at` index
+/// and deleted by their row addresses (locked, so they cannot move). Written as a join on
+/// the key, or without the order, the statement let Postgres scan the table instead (a hash
+/// join, or a bare `LIMIT` when many records have expired), reading again, batch after
+/// batch, the pages of the rows the batches before deleted, which stay until a `VACUUM`: a
+/// backlog took quadratic time, and one batch could outlast the statement timeout
+/// (`tests/plans.rs`).
+pub(super) const PURGE: &str = "
+DELETE FROM tower_idempotency_keys
+ WHERE ctid = ANY (ARRAY(
+       SELECT ctid FROM tower_idempotency_keys
+        WHERE expires_at <= tower_idempotency_now()
+        ORDER BY expires_at
+        LIMIT $1
+          FOR UPDATE SKIP LOCKED))";
