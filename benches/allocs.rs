@@ -189,7 +189,7 @@ async fn run() {
     row("layer, POST new key routed", routed_new, base_routed);
     row("layer, POST replay routed", routed_replay, base_routed);
 
-    // The bounds (issue 13): a request the layer passes through allocates nothing more, a
+    // The bounds: a request the layer passes through allocates nothing more, a
     // keyed one at most 12 more. Checked on every run, `cargo test` included.
     let bounds = [
         ("GET passthrough", passthrough, base_get, 0.0),
