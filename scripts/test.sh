@@ -307,7 +307,8 @@ for level in "repeatable read" "serializable"; do
     TI_ISOLATION="$level" cargo test --all-features \
         --test behaviour --test transactional --test postgres --test inbox --test model \
         --test cancellation --test round_trips --test payments_e2e --test scope --test consumer --test inbox_daily \
-        --test connection_loss --test stalls --test wait --test phased --test jetstream_e2e
+        --test connection_loss --test stalls --test wait --test phased --test jetstream_e2e \
+        --test migrations
 done
 
 # The behaviour suite, the example's end-to-end tests and the pooler's own tests once more,

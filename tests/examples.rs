@@ -1,6 +1,6 @@
 //! The two small examples a newcomer reads first, run as programs: the axum quick start and
 //! the plain hyper server. A key's second request is the first answer replayed; another body
-//! with the key is `422`.
+//! with the key is `422`; the quick start's keys are each account's own.
 #![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
 
 mod support;
@@ -31,10 +31,26 @@ fn start(name: &str) -> (Child, SocketAddr) {
 
 /// Sends one HTTP/1.1 request and returns the status, the head and the body.
 fn post(addr: SocketAddr, path: &str, key: &str, body: &str) -> (u16, String, String) {
+    post_as(addr, "Bearer alice", path, key, body)
+}
+
+/// [`post`] with an `Authorization` header of its own (`""`: none).
+fn post_as(
+    addr: SocketAddr,
+    authorization: &str,
+    path: &str,
+    key: &str,
+    body: &str,
+) -> (u16, String, String) {
     let mut stream = TcpStream::connect(addr).unwrap();
+    let authorization = if authorization.is_empty() {
+        String::new()
+    } else {
+        format!("Authorization: {authorization}\r\n")
+    };
     write!(
         stream,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nIdempotency-Key: {key}\r\n\
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\n{authorization}Idempotency-Key: {key}\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
@@ -67,6 +83,26 @@ fn replays_the_first_answer(name: &str, path: &str) {
 #[test]
 fn the_quickstart_replays_the_first_answer() {
     replays_the_first_answer("quickstart", "/payments");
+}
+
+/// The quick start scopes keys to the account: the same key for another account runs the
+/// handler anew, and a request without an account is refused before any key is looked at.
+#[test]
+fn the_quickstart_keeps_each_accounts_keys_apart() {
+    let (mut child, addr) = start("quickstart");
+    let (status, _, alice) = post_as(addr, "Bearer alice", "/payments", "k1", "tea");
+    assert_eq!(status, 201);
+    let (status, head, bob) = post_as(addr, "Bearer bob", "/payments", "k1", "tea");
+    assert_eq!(status, 201);
+    assert!(!head.contains("idempotent-replayed"), "{head}");
+    assert_ne!(bob, alice, "another account's key is its own");
+    let (status, head, again) = post_as(addr, "Bearer alice", "/payments", "k1", "tea");
+    assert!(head.contains("idempotent-replayed: true"), "{head}");
+    assert_eq!((status, again), (201, alice));
+    let (status, _, _) = post_as(addr, "", "/payments", "k1", "tea");
+    assert_eq!(status, 401);
+    child.kill().unwrap();
+    child.wait().unwrap();
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! End-to-end tests of `examples/payments.rs`: each test starts the example as its own process
+//! End-to-end tests of `examples/payments/`: each test starts the example as its own process
 //! (with the environment it needs), talks to it over real HTTP, and stops it.
 //!
 //! The example binary is built by `cargo test` along with the other examples; the tests also

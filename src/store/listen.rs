@@ -8,21 +8,18 @@
 //! `NOTIFY tower_idempotency, '<key hash>'` only when the hash is there. One listening connection
 //! per store (not taken from the application's pool) wakes the waiting duplicates of its process.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
-use tokio::sync::watch;
 
 use super::notify::{KeyNotifier, KeyWatch};
+use super::subscriber::{Feed, Heard, Subscriber};
+use crate::error::BoxError;
 use crate::key::IdempotencyKey;
 
 /// The channel of the store's notifications.
 pub(crate) const CHANNEL: &str = "tower_idempotency";
-
-/// How long the listener rests after it failed to connect or lost its connection.
-const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 
 /// How long a registration in `tower_idempotency_waiting` lasts. A waiter registers again each
 /// time it goes back to sleep (at least once a second), so this only has to outlast a sleep;
@@ -54,29 +51,19 @@ fn register_statement(hash: i64) -> String {
 pub(crate) const PURGE_WAITING: &str =
     "DELETE FROM tower_idempotency_waiting WHERE until <= tower_idempotency_now()";
 
-/// How long a waiter waits for the listener to listen (the first waiter of a process, while
-/// it connects) before it polls instead.
-const READY_WAIT: Duration = Duration::from_secs(1);
-
 /// The wake-ups of one store (shared by its clones).
 pub(crate) struct PgNotifier {
-    keys: KeyNotifier,
+    subscriber: Subscriber,
     /// Where the listening connection connects: the pool's server, unless set otherwise
     /// (behind a pooler in transaction mode, `LISTEN` needs a direct connection).
     options: PgConnectOptions,
-    /// Whether the listener is listening now.
-    listening: Arc<watch::Sender<bool>>,
-    /// The listener task, started by the first waiter, aborted when the store is dropped.
-    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl PgNotifier {
     pub(crate) fn new(options: PgConnectOptions) -> Self {
         Self {
-            keys: KeyNotifier::new(),
+            subscriber: Subscriber::new(),
             options,
-            listening: Arc::new(watch::Sender::new(false)),
-            task: Mutex::new(None),
         }
     }
 
@@ -89,121 +76,74 @@ impl PgNotifier {
         scope: &str,
         key: &IdempotencyKey,
     ) -> Result<Option<KeyWatch>, sqlx::Error> {
-        if self.start().is_none() {
-            return Ok(None);
-        }
-        let mut listening = self.listening.subscribe();
-        if !matches!(
-            tokio::time::timeout(READY_WAIT, listening.wait_for(|on| *on)).await,
-            Ok(Ok(_))
-        ) {
+        if !self
+            .subscriber
+            .ready(|| PgFeed::new(self.options.clone()))
+            .await
+        {
             return Ok(None);
         }
         let hash = KeyNotifier::key_hash(scope, key);
         // Watching before registering: a change notified once the registration is visible
         // reaches this watch.
-        let watch = self.keys.watch_hash(hash);
+        let watch = self.subscriber.keys().watch_hash(hash);
         // One simple query, in its own implicit transaction: safe behind a pooler.
         sqlx::raw_sql(AssertSqlSafe(register_statement(hash.cast_signed())))
             .execute(pool)
             .await?;
         Ok(Some(watch))
     }
-
-    /// Starts the listener task if it is not running.
-    fn start(&self) -> Option<()> {
-        let runtime = tokio::runtime::Handle::try_current().ok()?;
-        // A poisoned lock means a panic while starting; the slot itself is still sound.
-        let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
-        if task.as_ref().is_none_or(|t| t.is_finished()) {
-            *task = Some(runtime.spawn(listen(
-                self.options.clone(),
-                self.keys.clone(),
-                self.listening.clone(),
-            )));
-        }
-        Some(())
-    }
 }
 
 impl std::fmt::Debug for PgNotifier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgNotifier")
-            .field("listening", &*self.listening.borrow())
+            .field("listening", &self.subscriber.hearing())
             .finish_non_exhaustive()
     }
 }
 
-impl Drop for PgNotifier {
-    fn drop(&mut self) {
-        if let Some(task) = self.task.get_mut().ok().and_then(Option::take) {
-            task.abort();
-        }
+/// The listening connection: one of its own, without the application pool's timeouts,
+/// listening on [`CHANNEL`].
+struct PgFeed {
+    pool: PgPool,
+}
+
+impl PgFeed {
+    fn new(options: PgConnectOptions) -> Self {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .max_lifetime(None)
+            .idle_timeout(None)
+            .connect_lazy_with(options);
+        Self { pool }
     }
 }
 
-/// Listens on [`CHANNEL`] for good: wakes the waiters of each key named, and every waiter
-/// after a lost connection (their wake-ups may have been lost with it).
-async fn listen(options: PgConnectOptions, keys: KeyNotifier, listening: Arc<watch::Sender<bool>>) {
-    // One connection of its own, without the application pool's timeouts.
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .max_lifetime(None)
-        .idle_timeout(None)
-        .connect_lazy_with(options);
-    // Whether the last attempt failed too: an outage is logged as a warning once.
-    let mut failing = false;
-    loop {
-        let listener = match PgListener::connect_with(&pool).await {
-            Ok(mut listener) => listener.listen(CHANNEL).await.map(|()| listener),
-            Err(err) => Err(err),
-        };
-        let mut listener = match listener {
-            Ok(listener) => listener,
-            Err(err) => {
-                if failing {
-                    tracing::debug!(
-                        error = &err as &dyn std::error::Error,
-                        "idempotency: still cannot listen for finished keys"
-                    );
-                } else {
-                    tracing::warn!(
-                        error = &err as &dyn std::error::Error,
-                        "idempotency: cannot listen for finished keys; waiting duplicates \
-                         poll meanwhile"
-                    );
-                }
-                failing = true;
-                tokio::time::sleep(RECONNECT_PAUSE).await;
-                continue;
-            }
-        };
-        failing = false;
-        listening.send_replace(true);
-        // Whatever changed before this point was not heard: every waiter claims again.
-        keys.notify_all();
+impl Feed for PgFeed {
+    const WHAT: &'static str = "listen for finished keys";
+    type Open = PgListener;
+
+    async fn open(&mut self) -> Result<PgListener, BoxError> {
+        let mut listener = PgListener::connect_with(&self.pool).await?;
+        listener.listen(CHANNEL).await?;
+        Ok(listener)
+    }
+
+    async fn next(listener: &mut PgListener) -> Heard {
         loop {
             match listener.try_recv().await {
                 Ok(Some(notification)) => {
                     // The payload is the hash as Postgres' `bigint` prints it.
                     if let Ok(hash) = notification.payload().parse::<i64>() {
-                        keys.notify_hash(hash.cast_unsigned());
+                        return Heard::Key(hash.cast_unsigned());
                     }
                 }
                 // The connection was lost and made again (listening again): what was sent
-                // meanwhile is lost, so every waiter claims again.
-                Ok(None) => keys.notify_all(),
-                Err(err) => {
-                    tracing::warn!(
-                        error = &err as &dyn std::error::Error,
-                        "idempotency: lost the connection that listens for finished keys"
-                    );
-                    break;
-                }
+                // meanwhile is lost.
+                Ok(None) => return Heard::Gap,
+                Err(err) => return Heard::Lost(Some(Box::new(err))),
             }
         }
-        listening.send_replace(false);
-        keys.notify_all();
-        tokio::time::sleep(RECONNECT_PAUSE).await;
     }
 }

@@ -47,6 +47,8 @@ pub(crate) mod postgres;
 mod redis;
 #[cfg(feature = "postgres")]
 pub(crate) mod sql;
+#[cfg(any(feature = "postgres", feature = "redis"))]
+mod subscriber;
 
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
