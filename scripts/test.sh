@@ -304,15 +304,18 @@ cargo test --all-features --doc
 # (tests/isolation.rs covers all three levels by itself.)
 for level in "repeatable read" "serializable"; do
     echo "scripts/test.sh: the Postgres suites again at default_transaction_isolation = $level" >&2
+    # The behaviour suite's Postgres stores only: its memory and Redis stores do not read the
+    # database's isolation level.
+    TI_ISOLATION="$level" cargo test --all-features --test behaviour -- postgres
     TI_ISOLATION="$level" cargo test --all-features \
-        --test behaviour --test transactional --test postgres --test inbox --test model \
+        --test transactional --test postgres --test inbox --test model \
         --test cancellation --test round_trips --test payments_e2e --test scope --test consumer --test inbox_daily \
         --test connection_loss --test stalls --test wait --test phased --test jetstream_e2e \
         --test migrations
 done
 
-# The behaviour suite, the example's end-to-end tests and the pooler's own tests once more,
-# through a PgBouncer in transaction pooling mode: many deployments put one between the
+# The behaviour suite's Postgres stores, the example's end-to-end tests and the pooler's own
+# tests once more, through a PgBouncer in transaction pooling mode: many deployments put one between the
 # services and Postgres, and there a client's statements reach whichever server connection
 # is free, so nothing may rely on a server session (prepared statements, session settings,
 # session advisory locks) outside a transaction.
@@ -388,6 +391,7 @@ if [[ -z "${TI_PGBOUNCER_URL:-}" ]]; then
     start_pgbouncer
 fi
 export TI_PGBOUNCER_URL
-echo "scripts/test.sh: the behaviour suite, the example's end-to-end tests and tests/pooler.rs through PgBouncer at $TI_PGBOUNCER_URL" >&2
-cargo test --all-features --test behaviour --test payments_e2e
+echo "scripts/test.sh: the behaviour suite's Postgres stores, the example's end-to-end tests and tests/pooler.rs through PgBouncer at $TI_PGBOUNCER_URL" >&2
+cargo test --all-features --test behaviour -- postgres
+cargo test --all-features --test payments_e2e
 cargo test --all-features --test pooler -- --include-ignored
