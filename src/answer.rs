@@ -12,6 +12,7 @@ use http_body::Body;
 
 use crate::body::{Chunks, ResponseBody};
 use crate::config::{Config, StorePolicy};
+use crate::future::polled_after_finishing;
 use crate::grpc;
 use crate::outcome::{Outcome, Taken, record};
 use crate::rejection::Rejection;
@@ -137,8 +138,7 @@ impl<B: Body<Data = Bytes>> Future for ToStore<B> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let read = match &mut self.0 {
-            // Polled after it finished: the layer never does.
-            None => return Poll::Pending,
+            None => return polled_after_finishing(),
             Some(Answer::Unstored(_)) => Read::Complete,
             Some(Answer::Reading {
                 body,

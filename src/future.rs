@@ -14,6 +14,13 @@ use tokio::task::JoinHandle;
 
 use crate::body::ResponseBody;
 
+/// What the crate's futures answer when polled again after they finished: `Pending`, for
+/// good. No Tower or hyper driver polls a finished future; a caller that does gets a future
+/// that never finishes again, not a panic (the crate does not panic on its caller's misuse).
+pub(crate) fn polled_after_finishing<T>() -> Poll<T> {
+    Poll::Pending
+}
+
 pub(crate) type BoxResponseFuture<B, E> =
     Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
 
@@ -128,8 +135,7 @@ where
         } = kind.as_mut().project()
         {
             let Some(running) = future.as_mut() else {
-                // Polled after it finished: no Tower or hyper driver does that.
-                return Poll::Pending;
+                return polled_after_finishing();
             };
             if let Poll::Ready(output) = running.as_mut().poll(cx) {
                 *future = None;
@@ -168,15 +174,10 @@ where
                     Poll::Ready(Ok(res))
                 }
             },
-            KindProj::Ready { response } => {
-                // Polling a future after it returned Ready is a caller bug; every Tower and
-                // hyper driver stops at the first Ready.
-                #[allow(clippy::expect_used)]
-                let res = response
-                    .take()
-                    .expect("ResponseFuture polled after completion");
-                Poll::Ready(Ok(res))
-            }
+            KindProj::Ready { response } => match response.take() {
+                Some(res) => Poll::Ready(Ok(res)),
+                None => polled_after_finishing(),
+            },
         }
     }
 }
@@ -230,9 +231,35 @@ where
                     self.set(Self::Done);
                     return Poll::Ready(output);
                 }
-                // Polled after it finished: no Tower or hyper driver does that.
-                StepsProj::Done => return Poll::Pending,
+                StepsProj::Done => return polled_after_finishing(),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Poll, Waker};
+
+    use http::Response;
+    use http_body_util::Full;
+
+    use super::ResponseFuture;
+    use crate::body::ResponseBody;
+
+    type Inner = std::future::Ready<Result<Response<Full<bytes::Bytes>>, std::io::Error>>;
+
+    /// A future polled again after it finished waits for good: no panic on a caller's misuse.
+    #[test]
+    fn a_finished_future_polled_again_is_pending_not_a_panic() {
+        let mut cx = Context::from_waker(Waker::noop());
+        let answer = ResponseFuture::<Inner, _, _>::ready(Response::new(ResponseBody::full(
+            bytes::Bytes::from_static(b"done"),
+        )));
+        let mut answer = pin!(answer);
+        assert!(matches!(answer.as_mut().poll(&mut cx), Poll::Ready(Ok(_))));
+        assert!(answer.as_mut().poll(&mut cx).is_pending());
     }
 }

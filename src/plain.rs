@@ -26,7 +26,7 @@ use crate::answer::{Keep, ToStore, answer_taken, render, to_store};
 use crate::body::{RequestBody, ResponseBody};
 use crate::config::Config;
 use crate::error::BoxError;
-use crate::future::Steps;
+use crate::future::{Steps, polled_after_finishing};
 use crate::key::IdempotencyKey;
 use crate::lease::Lease;
 use crate::outcome::{
@@ -338,8 +338,7 @@ where
                     this.state.set(State::Done);
                     return finished(result);
                 }
-                // Polled after it finished: the layer never does.
-                StateProj::Done => return Poll::Pending,
+                StateProj::Done => return polled_after_finishing(),
             };
             this.state.set(next);
         }
@@ -379,7 +378,7 @@ impl Completion {
 
 /// The output of a finished state, which always has it.
 fn finished<T>(output: Option<T>) -> Poll<T> {
-    output.map_or(Poll::Pending, Poll::Ready)
+    output.map_or_else(polled_after_finishing, Poll::Ready)
 }
 
 fn releasing<St: Store, F, B: Body, E>(
