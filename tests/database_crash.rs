@@ -175,9 +175,9 @@ async fn within<F: Future>(future: F, what: &str) -> F::Output {
         .unwrap_or_else(|_| panic!("{what}: nothing after 30 s"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn phases_committed_before_a_database_crash_survive_it_and_nothing_runs_twice() {
-    let server = Server::init();
+/// A pool on `server` (room for a retry's connections while a request holds one), its store
+/// migrated, and the handler's table made by `table`.
+async fn migrated(server: &Server, table: &str) -> (sqlx::PgPool, PostgresStore) {
     let pool = PgPoolOptions::new()
         .max_connections(4)
         .acquire_timeout(Duration::from_secs(20))
@@ -186,10 +186,21 @@ async fn phases_committed_before_a_database_crash_survive_it_and_nothing_runs_tw
         .unwrap();
     let store = PostgresStore::new(pool.clone());
     store.migrate().await.unwrap();
-    sqlx::raw_sql("CREATE TABLE payments (id bigserial PRIMARY KEY, status text NOT NULL)")
+    sqlx::raw_sql(sqlx::AssertSqlSafe(table.to_owned()))
         .execute(&pool)
         .await
         .unwrap();
+    (pool, store)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn phases_committed_before_a_database_crash_survive_it_and_nothing_runs_twice() {
+    let server = Server::init();
+    let (pool, store) = migrated(
+        &server,
+        "CREATE TABLE payments (id bigserial PRIMARY KEY, status text NOT NULL)",
+    )
+    .await;
 
     let in_call = Arc::new(Notify::new());
     // Permits, not notifications: a permit given before the handler waits is not lost.
@@ -332,18 +343,11 @@ async fn a_claim_lost_in_a_database_crash_fences_its_request_and_the_retry_does_
     // The WAL writer flushes an unflushed commit every 10 s here, and nothing else writes in
     // between: a crash right after the claim loses it.
     let server = Server::init_with("-c wal_writer_delay=10000 -c autovacuum=off");
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(20))
-        .connect(&server.url())
-        .await
-        .unwrap();
-    let store = PostgresStore::new(pool.clone());
-    store.migrate().await.unwrap();
-    sqlx::raw_sql("CREATE TABLE payments (id bigserial PRIMARY KEY, key text NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    let (pool, store) = migrated(
+        &server,
+        "CREATE TABLE payments (id bigserial PRIMARY KEY, key text NOT NULL)",
+    )
+    .await;
 
     let in_call = Arc::new(Notify::new());
     // One gate per request, in the order they reach the handler.
