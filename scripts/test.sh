@@ -295,6 +295,9 @@ and run ./scripts/test.sh again."
 # connections), so PgBouncer is needed from the first test run on.
 ensure_pgbouncer >/dev/null
 
+# Most tests wait far more than they compute (leases and TTLs running out, a provider's delay,
+# a server restarting): eight at a time keep two cores busy. RUST_TEST_THREADS overrides it.
+export RUST_TEST_THREADS="${RUST_TEST_THREADS:-8}"
 cargo test --all-features --all-targets
 cargo test --all-features --doc
 
