@@ -90,8 +90,14 @@ impl Drop for Server {
     }
 }
 
+/// These tests time replication and failures (`WAIT` timeouts of a few hundred milliseconds)
+/// on servers of their own: one at a time, however many test threads run, so that none of
+/// them waits on another's load.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn an_evicting_redis_is_refused_and_noeviction_accepted() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let port = support::cluster::free_port();
     let server = Server::start(
         port,
@@ -114,6 +120,7 @@ async fn an_evicting_redis_is_refused_and_noeviction_accepted() {
 
 #[tokio::test]
 async fn the_eviction_check_covers_every_master_of_the_cluster() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let prefix = support::redis_support::prefix();
     let store = support::redis_support::cluster_store(&prefix).await;
     store.check_eviction_policy().await.unwrap();
@@ -122,6 +129,7 @@ async fn the_eviction_check_covers_every_master_of_the_cluster() {
 /// A store that is down: calls fail fast with a backend error (the layer answers 503).
 #[tokio::test]
 async fn a_store_that_is_down_fails_within_its_bound() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let store = RedisStore::open(&format!(
         "redis://127.0.0.1:{}",
         support::cluster::free_port()
@@ -198,6 +206,7 @@ fn claim_of(key: &IdempotencyKey) -> ClaimRequest<'_> {
 /// after about the `WAIT` timeout rather than queue one timeout behind another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_waiting_for_replicas_share_their_waits() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let master = Server::start(support::cluster::free_port(), &[]);
     let replica = Server::start(
         support::cluster::free_port(),
@@ -460,6 +469,7 @@ fn created() -> tower_idempotency::StoredResponse {
 /// confirmed once the replica has it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_after_a_reconnect_confirms_no_completion_the_replica_lacks() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let master = Server::start(support::cluster::free_port(), &[]);
     // The replica's link goes through a proxy the test stalls: the replica stays connected (the
     // master counts it), but receives and acknowledges nothing.
@@ -525,6 +535,7 @@ fn cluster_port() -> u16 {
 /// cluster client sends the `WAIT` again to the same node on a connection of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_wait_after_a_reconnect_confirms_no_completion_the_replica_lacks() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let master_port = cluster_port();
     let proxy = WaitProxy::start(master_port).await;
     let node = |announced: u16, bus: u16| {
