@@ -1,13 +1,16 @@
 //! The body types the layer hands to the inner service and back to the client.
 
 use std::collections::VecDeque;
-use std::pin::Pin;
+use std::future::poll_fn;
+use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+
+use crate::error::BoxError;
 
 /// Chunks after the first one that are shorter than this are copied into a shared buffer
 /// instead of being kept as handles of their own.
@@ -316,6 +319,51 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
             ResponseKind::Failed { .. } => SizeHint::default(),
         }
     }
+}
+
+/// Why [`read_frames`] stopped before the body's end.
+pub(crate) enum ReadError {
+    /// The body's data passed `limit` bytes.
+    TooLarge,
+    /// The body failed.
+    Failed(BoxError),
+}
+
+/// Reads `body` to its end, at most `limit` bytes of data: each non-empty data frame goes to
+/// `data` as it arrives; trailers (every trailer frame, merged) are returned. The one loop over
+/// a body's frames that the layer (a request it keeps) and the client (a body it sends again)
+/// both read with.
+pub(crate) async fn read_frames<B>(
+    body: B,
+    limit: usize,
+    mut data: impl FnMut(B::Data),
+) -> Result<Option<HeaderMap>, ReadError>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let mut body = pin!(body);
+    let mut trailers: Option<HeaderMap> = None;
+    let mut len = 0usize;
+    while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+        match frame.map_err(|e| ReadError::Failed(e.into()))?.into_data() {
+            Ok(chunk) => {
+                len = len.saturating_add(chunk.remaining());
+                if len > limit {
+                    return Err(ReadError::TooLarge);
+                }
+                if chunk.has_remaining() {
+                    data(chunk);
+                }
+            }
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    trailers.get_or_insert_with(HeaderMap::new).extend(t);
+                }
+            }
+        }
+    }
+    Ok(trailers)
 }
 
 #[cfg(test)]

@@ -1,8 +1,6 @@
 //! A keyed request as the modes receive it: its key and settings, its body read in full and
 //! its fingerprint.
 
-use std::future::poll_fn;
-use std::pin::pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -10,7 +8,7 @@ use http::{HeaderMap, Response, request::Parts};
 use http_body::Body;
 
 use crate::answer::render;
-use crate::body::{Chunks, ResponseBody};
+use crate::body::{Chunks, ReadError, ResponseBody, read_frames};
 use crate::config::Config;
 use crate::error::BoxError;
 use crate::fingerprint::{Fingerprint, Fingerprinter};
@@ -109,36 +107,24 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let mut body = pin!(body);
     let mut chunks = Chunks::default();
-    let mut trailers: Option<Box<HeaderMap>> = None;
-    let mut len = 0usize;
-    while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
-        let frame = frame.map_err(|e| {
-            let e: BoxError = e.into();
+    let read = read_frames(body, limit, |data| {
+        fingerprinter.update(&data);
+        chunks.push(data);
+    })
+    .await;
+    match read {
+        Ok(trailers) => Ok(Buffered {
+            chunks,
+            trailers: trailers.map(Box::new),
+        }),
+        Err(ReadError::TooLarge) => Err(Rejection::BodyTooLarge { limit }),
+        Err(ReadError::Failed(e)) => {
             tracing::debug!(
                 error = &*e as &dyn std::error::Error,
                 "reading the request body failed"
             );
-            Rejection::UnreadableBody
-        })?;
-        match frame.into_data() {
-            Ok(data) => {
-                len = len.saturating_add(data.len());
-                if len > limit {
-                    return Err(Rejection::BodyTooLarge { limit });
-                }
-                fingerprinter.update(&data);
-                if !data.is_empty() {
-                    chunks.push(data);
-                }
-            }
-            Err(frame) => {
-                if let Ok(t) = frame.into_trailers() {
-                    trailers.get_or_insert_with(Box::default).extend(t);
-                }
-            }
+            Err(Rejection::UnreadableBody)
         }
     }
-    Ok(Buffered { chunks, trailers })
 }

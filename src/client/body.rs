@@ -1,8 +1,7 @@
 //! [`ReplayBody`], the request body the inner client gets, and the reading of the caller's.
 
 use std::convert::Infallible;
-use std::future::poll_fn;
-use std::pin::{Pin, pin};
+use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -10,6 +9,7 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 
 use super::ClientError;
+use crate::body::{ReadError, read_frames};
 use crate::error::BoxError;
 
 /// The request body the inner service receives: the caller's body, read once in full and
@@ -63,42 +63,27 @@ where
     if body.size_hint().lower() > limit as u64 {
         return Err(ClientError::BodyTooLarge { limit });
     }
-    let mut body = pin!(body);
     let mut first: Option<Bytes> = None;
     let mut joined = BytesMut::new();
-    let mut trailers: Option<HeaderMap> = None;
-    let mut len = 0usize;
-    while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
-        let frame = frame.map_err(|e| ClientError::Body(e.into()))?;
-        match frame.into_data() {
-            Ok(mut data) => {
-                let n = data.remaining();
-                len = len.saturating_add(n);
-                if len > limit {
-                    return Err(ClientError::BodyTooLarge { limit });
+    let read = read_frames(body, limit, |mut data| {
+        // A body of one frame (the usual case) is kept as it came, without a copy.
+        let chunk = data.copy_to_bytes(data.remaining());
+        match first.take() {
+            None if joined.is_empty() => first = Some(chunk),
+            earlier => {
+                if let Some(earlier) = earlier {
+                    joined.extend_from_slice(&earlier);
                 }
-                if n == 0 {
-                    continue;
-                }
-                // A body of one frame (the usual case) is kept as it came, without a copy.
-                let chunk = data.copy_to_bytes(n);
-                match first.take() {
-                    None if joined.is_empty() => first = Some(chunk),
-                    earlier => {
-                        if let Some(earlier) = earlier {
-                            joined.extend_from_slice(&earlier);
-                        }
-                        joined.extend_from_slice(&chunk);
-                    }
-                }
-            }
-            Err(frame) => {
-                if let Ok(t) = frame.into_trailers() {
-                    trailers.get_or_insert_with(HeaderMap::new).extend(t);
-                }
+                joined.extend_from_slice(&chunk);
             }
         }
-    }
+    })
+    .await;
+    let trailers = match read {
+        Ok(trailers) => trailers,
+        Err(ReadError::TooLarge) => return Err(ClientError::BodyTooLarge { limit }),
+        Err(ReadError::Failed(e)) => return Err(ClientError::Body(e)),
+    };
     let data = first.or_else(|| (!joined.is_empty()).then(|| joined.freeze()));
     Ok(ReplayBody { data, trailers })
 }
