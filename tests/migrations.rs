@@ -437,7 +437,7 @@ async fn a_recorded_checksum_that_matches_no_known_migration_is_refused() {
     let before = catalog(&pool, &schema.name).await;
     let msg = schema_error(store.migrate().await);
     for needle in [
-        "migration 1 is recorded",
+        "version 1 of the store's schema is recorded",
         "matches no SQL this version of tower-idempotency knows",
         &format!("\"{}\"", schema.name),
         "drop the store's tables, sequence and functions",
@@ -462,7 +462,10 @@ async fn a_recorded_checksum_that_matches_no_known_migration_is_refused() {
     let before = catalog(&pool, &schema.name).await;
     let recorded = history(&pool).await;
     let msg = schema_error(PostgresStore::new(pool.clone()).migrate().await);
-    assert!(msg.contains("migration 7 is recorded"), "{msg}");
+    assert!(
+        msg.contains("version 7 of the store's schema is recorded"),
+        "{msg}"
+    );
     assert!(msg.contains("drop the store's tables"), "{msg}");
     assert_eq!(catalog(&pool, &schema.name).await, before);
     assert_eq!(history(&pool).await, recorded);

@@ -163,7 +163,7 @@ impl Refusal {
                 reset = capitalized(&reset)
             ),
             Refusal::Unknown(version) => format!(
-                "migration {version} is recorded in schema \"{schema}\" with a checksum that \
+                "version {version} of the store's schema is recorded in schema \"{schema}\" with a checksum that \
                  matches no SQL this version of tower-idempotency knows: the schema was made by \
                  another build, or its SQL was edited. Nothing was changed. Migrate it with the \
                  build that made it, or {reset}"
@@ -291,8 +291,8 @@ pub(crate) async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
             tracing::info!(
                 version,
                 description,
-                "tidied the schema of the earlier tower-idempotency migrations 1–13 into \
-                 migration 1"
+                "tidied a schema made by the earlier tower-idempotency builds' 13 migrations into \
+                 the one schema file"
             );
             applied = vec![(version, checksum)];
         }
