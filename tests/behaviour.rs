@@ -60,12 +60,15 @@ impl Postgres {
         }
     }
 
-    /// The default strategy with prepared statements, on a direct connection (never through
-    /// a pooler: see `PostgresStore::with_prepared_statements`). Its second instance uses the
-    /// default simple protocol: the two must keep every guarantee together.
+    /// The claim function (`ClaimStrategy::Combined`) with prepared statements, on a direct
+    /// connection (never through a pooler: see `PostgresStore::with_prepared_statements`). Its
+    /// second instance uses the default simple protocol: the two must keep every guarantee
+    /// together.
     async fn prepared() -> Self {
         let schema = PgSchema::new().await;
-        let store = PostgresStore::new(schema.direct_pool(16).await).with_prepared_statements(true);
+        let store = PostgresStore::new(schema.direct_pool(16).await)
+            .with_prepared_statements(true)
+            .with_claim_strategy(ClaimStrategy::Combined);
         store.migrate().await.unwrap();
         Postgres {
             schema,
@@ -78,7 +81,7 @@ impl Postgres {
 impl Fixture for Postgres {
     type Store = PostgresStore;
     async fn new() -> Self {
-        Postgres::with(ClaimStrategy::Combined).await
+        Postgres::with(ClaimStrategy::default()).await
     }
     fn store(&self) -> PostgresStore {
         self.store.clone()
@@ -88,9 +91,10 @@ impl Fixture for Postgres {
         // The other instance uses another claim strategy: together they must keep every
         // guarantee.
         let other = match self.strategy {
+            ClaimStrategy::Adaptive => ClaimStrategy::Combined,
             ClaimStrategy::Combined => ClaimStrategy::ReadFirst,
             ClaimStrategy::ReadFirst => ClaimStrategy::InsertFirst,
-            _ => ClaimStrategy::Combined,
+            _ => ClaimStrategy::Adaptive,
         };
         let store = store.with_claim_strategy(other);
         // A second instance runs migrate() at start too; it must be a no-op.

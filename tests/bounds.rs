@@ -229,6 +229,7 @@ async fn the_crate_prepares_statements_only_under_names_that_stand_for_their_tex
 
     let calls = Calls::default();
     for (scope, strategy) in [
+        ("adaptive", ClaimStrategy::Adaptive),
         ("combined", ClaimStrategy::Combined),
         ("read-first", ClaimStrategy::ReadFirst),
         ("insert-first", ClaimStrategy::InsertFirst),
@@ -311,8 +312,8 @@ async fn the_crate_prepares_statements_only_under_names_that_stand_for_their_tex
     assert_eq!(
         prepared.len(),
         3,
-        "the read and the insert of a claim in two statements, and the insert of a phased \
-         claim, run prepared; the calls of the store's functions are sent as text"
+        "the read, the insert (of a plain and of a phased claim: one text) and the \
+         completion run prepared; the calls of the store's functions are sent as text"
     );
     for row in &prepared {
         let name: String = row.get(0);
@@ -333,7 +334,7 @@ async fn the_crate_prepares_statements_only_under_names_that_stand_for_their_tex
     }
     assert_eq!(
         calls.get("/pay"),
-        5,
+        6,
         "one plain first request per strategy, one transactional, one phased"
     );
     pool.close().await;
@@ -341,10 +342,9 @@ async fn the_crate_prepares_statements_only_under_names_that_stand_for_their_tex
 }
 
 /// Two stores of two schemas sharing one server connection (as two applications' clients of
-/// one pooler do) run the same prepared statements, each in its own schema: every message
-/// pins the statement's `search_path` to its store's schema, and Postgres analyses a prepared
-/// statement again when it runs under another path than before. The connection's own path
-/// does not matter once a store knows its schema.
+/// one pooler do) run the same statements, each in its own schema: each statement names its
+/// store's schema in its text, and so in the name it is prepared under. The connection's own
+/// path does not matter once a store knows its schema.
 #[tokio::test]
 async fn stores_of_two_schemas_on_one_server_connection_each_use_their_own() {
     let a = PgSchema::new().await;

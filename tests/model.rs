@@ -545,7 +545,8 @@ impl Subject for Postgres {
     }
 }
 
-const STRATEGIES: [ClaimStrategy; 3] = [
+const STRATEGIES: [ClaimStrategy; 4] = [
+    ClaimStrategy::Adaptive,
     ClaimStrategy::Combined,
     ClaimStrategy::ReadFirst,
     ClaimStrategy::InsertFirst,

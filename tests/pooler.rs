@@ -63,6 +63,7 @@ impl Fx {
     /// strategies mixed, migrated all at once.
     async fn stores(&self) -> Vec<PostgresStore> {
         let strategies = [
+            ClaimStrategy::Adaptive,
             ClaimStrategy::Combined,
             ClaimStrategy::ReadFirst,
             ClaimStrategy::InsertFirst,
@@ -70,7 +71,9 @@ impl Fx {
         let mut stores = Vec::new();
         for i in 0..INSTANCES {
             let pool = self.schema.pool(CLIENTS_PER_INSTANCE).await;
-            stores.push(PostgresStore::new(pool).with_claim_strategy(strategies[i % 3]));
+            stores.push(
+                PostgresStore::new(pool).with_claim_strategy(strategies[i % strategies.len()]),
+            );
         }
         let migrations: Vec<_> = stores
             .iter()

@@ -9,7 +9,8 @@ use sqlx::postgres::PgPoolOptions;
 use support::{Calls, PgSchema, read, req};
 use tower::{Layer, ServiceExt};
 use tower_idempotency::{
-    ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyLayer, PostgresStore, Store, StoreError,
+    ClaimRequest, ClaimStrategy, Fingerprint, IdempotencyKey, IdempotencyLayer, PostgresStore,
+    Store, StoreError,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -94,10 +95,11 @@ async fn missing_schema_is_a_schema_error_and_a_503() {
 
 #[tokio::test]
 async fn a_missing_claim_function_is_a_schema_error() {
-    // A schema migrated by an older version of the crate: the tables, not the claim function.
+    // A schema migrated by an older version of the crate: the tables, not the claim function
+    // (which `ClaimStrategy::Combined` calls).
     let schema = PgSchema::new().await;
     let pool = schema.pool(2).await;
-    let store = PostgresStore::new(pool.clone());
+    let store = PostgresStore::new(pool.clone()).with_claim_strategy(ClaimStrategy::Combined);
     store.migrate().await.unwrap();
     sqlx::query("DROP FUNCTION tower_idempotency_plain_claim")
         .execute(&pool)
@@ -226,7 +228,10 @@ async fn functions_ignore_an_application_schema_ahead_on_the_search_path() {
          CREATE TABLE {app}.tower_idempotency_keys
              (LIKE {s}.tower_idempotency_keys INCLUDING ALL);
          CREATE FUNCTION {app}.now() RETURNS timestamptz LANGUAGE sql STABLE
-             AS $$ SELECT timestamptz '2100-01-01 00:00:00+00' $$;",
+             AS $$ SELECT timestamptz '2100-01-01 00:00:00+00' $$;
+         CREATE FUNCTION {app}.never(text, text) RETURNS boolean LANGUAGE sql IMMUTABLE
+             AS $$ SELECT false $$;
+         CREATE OPERATOR {app}.= (LEFTARG = text, RIGHTARG = text, FUNCTION = {app}.never);",
         s = schema.name
     )))
     .execute(&setup)

@@ -365,21 +365,86 @@ async fn the_proxy_counts_statements_on_the_wire() {
     schema.drop_schema().await;
 }
 
+/// The default store on a first request and on a replay: every message runs statements
+/// prepared by name (no call of a PL/pgSQL function, whose call is planned anew and whose
+/// settings are saved and restored on every call), written with the store's schema in them
+/// (no `search_path` setting in the message). A first request is the insert and the
+/// completion; once most claims find their key, a replay is the read alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_sends_statements_prepared_by_name_and_follows_the_workload() {
+    let schema = PgSchema::new().await;
+    let admin = schema.pool(2).await;
+    PostgresStore::new(admin.clone()).migrate().await.unwrap();
+    let proxy = Proxy::start(upstream()).await;
+    let pool = pool_through(&proxy, &schema).await;
+    let svc =
+        IdempotencyLayer::new(PostgresStore::new(pool.clone())).layer(handler(Calls::default()));
+    // Every path runs once, so its statements are prepared on the connection.
+    for (path, key) in [("/ok", "warm"), ("/ok", "warm"), ("/fail", "warm-fail")] {
+        send(&svc, &proxy, path, key, "w").await;
+    }
+    let prepared_only = |q: &str| {
+        let statements: Vec<&str> = q.split("; ").collect();
+        statements
+            .iter()
+            .all(|s| s.starts_with("SET LOCAL ") || s.starts_with("EXECUTE "))
+            && !q.contains("search_path")
+            && !q.contains("PREPARE")
+    };
+
+    // First requests: the insert, then the completion.
+    for i in 0..20 {
+        let (first, cost) = send(&svc, &proxy, "/ok", &format!("new-{i}"), "body").await;
+        assert_eq!(first.status, 201, "{}", first.text());
+        assert_eq!(cost.query(), 2, "a first request: {cost:?}");
+        for q in proxy.queries().iter().rev().take(2) {
+            assert!(prepared_only(q), "{q}");
+        }
+    }
+
+    // Replays: after a few, each is the read alone.
+    let mut replay = None;
+    for _ in 0..40 {
+        let (again, cost) = send(&svc, &proxy, "/ok", "new-0", "body").await;
+        assert_eq!(again.status, 201);
+        assert!(again.replayed());
+        replay = Some(cost.query());
+    }
+    assert_eq!(replay, Some(1), "a replay after replays");
+    let last = proxy.queries().last().cloned().unwrap_or_default();
+    assert!(prepared_only(&last), "{last}");
+    assert_eq!((proxy.counts().parse(), proxy.counts().execute()), (0, 0));
+
+    // First requests again: after a few, each is back to the insert and the completion.
+    let mut first = None;
+    for i in 0..40 {
+        let (answer, cost) = send(&svc, &proxy, "/ok", &format!("again-{i}"), "body").await;
+        assert_eq!(answer.status, 201);
+        first = Some(cost.query());
+    }
+    assert_eq!(first, Some(2), "a first request after first requests");
+
+    admin.close().await;
+    pool.close().await;
+    schema.drop_schema().await;
+}
+
 /// The statements each plain-mode path costs with one [`ClaimStrategy`].
 struct Expected {
     first: usize,
     replay: usize,
     reused: usize,
     failed: usize,
-    /// Whether a replay runs an insert (which draws a lease token even when it conflicts).
-    replay_inserts: bool,
+    /// Whether a replay runs the claim function's insert, which draws a lease token from the
+    /// sequence even when it conflicts (the bare insert's token is random).
+    replay_draws_a_token: Option<bool>,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_is_one_statement_and_a_first_request_two() {
-    // The default: claim (a read that calls the insert function only for an absent key),
-    // complete. A replay is that read alone: the function, which runs inside the statement
-    // and so is not seen on the wire, does not run (no lease token is drawn).
+    // Claim (a function that reads, and inserts only for an absent key), complete. A replay
+    // is that read alone: the insert, which runs inside the statement and so is not seen on
+    // the wire, does not run (no lease token is drawn).
     plain_mode_counts(
         ClaimStrategy::Combined,
         Expected {
@@ -387,7 +452,7 @@ async fn replay_is_one_statement_and_a_first_request_two() {
             replay: 1,
             reused: 1,
             failed: 2,
-            replay_inserts: false,
+            replay_draws_a_token: Some(false),
         },
     )
     .await;
@@ -403,7 +468,7 @@ async fn read_first_replays_with_one_select() {
             replay: 1,
             reused: 1,
             failed: 3,
-            replay_inserts: false,
+            replay_draws_a_token: None,
         },
     )
     .await;
@@ -419,7 +484,7 @@ async fn insert_first_claims_with_one_insert() {
             replay: 2,
             reused: 2,
             failed: 2,
-            replay_inserts: true,
+            replay_draws_a_token: None,
         },
     )
     .await;
@@ -467,31 +532,20 @@ async fn plain_mode_counts(strategy: ClaimStrategy, expected: Expected) {
     );
     assert_eq!((cost.parse(), cost.execute()), (0, 0), "{cost:?}");
     // Every message carries the store's bounds. A call of one of the store's functions is
-    // sent as text; a statement written out in SQL runs prepared, in the store's schema, and
-    // the connection holds it already (the warm-up prepared it): no `PREPARE` again.
+    // sent as text; a statement written out in SQL runs prepared (the warm-up prepared it on
+    // the connection: no `PREPARE` again), its schema written in (no `search_path` setting).
     for q in proxy.queries().iter().rev().take(expected.first) {
         let call = q.starts_with(
             "SET LOCAL transaction_isolation = 'read committed'; \
              SET LOCAL statement_timeout = 5000; SELECT ",
         );
-        // (The read takes no lock: its message sets no lock bound. The insert has one plan
-        // whatever the statistics say: its message sets no plan settings.)
-        let prepared = q
-            .replace("SET LOCAL lock_timeout = 1000; ", "")
-            .replace(
-                "SET LOCAL statement_timeout = 5000; EXECUTE",
-                "SET LOCAL statement_timeout = 5000; \
-                 SET LOCAL plan_cache_mode = force_generic_plan; \
-                 SET LOCAL enable_seqscan = off; EXECUTE",
-            )
-            .starts_with(&format!(
-                "SET LOCAL transaction_isolation = 'read committed'; \
-             SET LOCAL search_path = pg_catalog, {}, pg_temp; \
-             SET LOCAL statement_timeout = 5000; \
-             SET LOCAL plan_cache_mode = force_generic_plan; \
-             SET LOCAL enable_seqscan = off; EXECUTE tower_idempotency_",
-                schema.name
-            ));
+        let prepared = q.starts_with(
+            "SET LOCAL transaction_isolation = 'read committed'; \
+             SET LOCAL statement_timeout = 5000; ",
+        ) && q
+            .split("; ")
+            .all(|s| s.starts_with("SET LOCAL ") || s.starts_with("EXECUTE tower_idempotency_"))
+            && !q.contains("search_path");
         assert!(call || prepared, "{q}");
         assert!(!q.contains("PREPARE"), "{q}");
     }
@@ -499,11 +553,13 @@ async fn plain_mode_counts(strategy: ClaimStrategy, expected: Expected) {
     // A replay, which finds the completed record.
     let token_before = last_token().await;
     let (again, cost) = send(&svc, &proxy, "/ok", "k1", "body").await;
-    assert_eq!(
-        last_token().await != token_before,
-        expected.replay_inserts,
-        "{strategy:?}: does a replay run an insert?"
-    );
+    if let Some(inserts) = expected.replay_draws_a_token {
+        assert_eq!(
+            last_token().await != token_before,
+            inserts,
+            "{strategy:?}: does a replay run the claim function's insert?"
+        );
+    }
     assert_eq!(again.status, 201);
     assert!(again.replayed());
     assert_eq!(again.body, first.body);

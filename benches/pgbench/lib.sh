@@ -75,11 +75,12 @@ SQL
 # The ways peers.sh and statements.sh run (scripts under peers/): name, script, pgbench mode.
 ways=(
     "replay store|store_replay.sql|simple"
+    "replay store combined|store_combined_replay.sql|simple"
     "replay store prepared|prepared_replay.sql|prepared"
-    "replay store read-first|store_read_first_replay.sql|simple"
     "replay rustango prepared|rustango_replay.sql|prepared"
     "replay rustango simple|rustango_replay.sql|simple"
     "new store|store_new.sql|simple"
+    "new store combined|store_combined_new.sql|simple"
     "new store prepared|prepared_new.sql|prepared"
     "new cratestack prepared|cratestack_new_bound.sql|prepared"
     "new cratestack simple|cratestack_new.sql|simple"

@@ -2,12 +2,14 @@
 # The Postgres store's statements beside the fastest peers' on the same work, in the database
 # alone (pgbench; no HTTP, no Rust), alternating the ways round by round:
 #
-#   new keys   PostgresStore as it sends by default (simple protocol, bounds in front), the
-#              same calls prepared (`with_prepared_statements(true)`), and cratestack-sqlx
-#              0.8's upsert + UPDATE prepared (as sqlx sends them) and over the simple protocol
-#   replays    PostgresStore by default, prepared and with ClaimStrategy::ReadFirst (its read
-#              prepared with SQL PREPARE), and rustango 0.62's DatabaseCache
-#              lookup prepared and over the simple protocol
+#   new keys   PostgresStore as it sends by default (the insert and the completion prepared
+#              with SQL PREPARE, simple protocol, bounds in front), with ClaimStrategy::Combined
+#              (the claim function), with prepared statements (`with_prepared_statements(true)`),
+#              and cratestack-sqlx 0.8's upsert + UPDATE prepared (as sqlx sends them) and over
+#              the simple protocol
+#   replays    PostgresStore by default (the read prepared with SQL PREPARE), with Combined,
+#              with prepared statements, and rustango 0.62's DatabaseCache lookup prepared and
+#              over the simple protocol
 #
 #   benches/pgbench/peers.sh [-c CLIENTS] [-T SECONDS] [-r ROUNDS] [-k KEYS] [-a]
 #

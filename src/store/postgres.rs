@@ -16,15 +16,17 @@ mod send;
 pub(crate) mod sqlstate;
 mod statements;
 pub mod transactional;
+mod workload;
 
 use claim::*;
 pub(crate) use migrate::migrate;
 pub(crate) use sqlstate::db_error;
 use sqlstate::*;
 use statements::*;
+use workload::Workload;
 
 use super::listen::{PURGE_WAITING, PgNotifier};
-use super::sql::{append, prepared_name, push_bounds, push_execute};
+use super::sql::{append, push_bounds, push_execute};
 use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store};
 use crate::error::StoreError;
 use crate::key::IdempotencyKey;
@@ -52,17 +54,19 @@ use crate::response::StoredResponse;
 /// The SQL is in the crate's `migrations/` folder for those who apply migrations with their
 /// own tool.
 ///
-/// The store's functions run with `search_path = pg_catalog, <their schema>, pg_temp`: an
-/// application schema ahead on the connection's path (a table named like the store's, a
-/// `now()` of its own) cannot change what they read or write. The store's own statements name
-/// its tables and functions unqualified, so its schema must be on the connection's path.
+/// The store's functions run with `search_path = pg_catalog, <their schema>, pg_temp`, and
+/// its statements written out in SQL name every table, function, operator and type with its
+/// schema: an application schema ahead on the connection's path (a table named like the
+/// store's, a `now()` of its own) cannot change what they read or write. The store finds its
+/// schema, and calls its functions, through the connection's path, so its schema must be on
+/// it.
 ///
 /// # Round trips and clocks
 ///
-/// With the default [`ClaimStrategy::Combined`], a replay costs one statement and a first
-/// request two (claim, complete), plus one renewal per third of the lease for handlers that
-/// run longer than that; [`ClaimStrategy`] trades these counts against what each statement
-/// costs the database. Every time (leases, expiry) is computed by the database, through the
+/// With the default [`ClaimStrategy::Adaptive`], a first request costs two statements
+/// (insert, complete) and a replay one (the read) once most recent claims found their key,
+/// plus one renewal per third of the lease for handlers that run longer than that;
+/// [`ClaimStrategy`] trades these counts against what each statement costs the database. Every time (leases, expiry) is computed by the database, through the
 /// function `tower_idempotency_now()` (`pg_catalog.now()`), so app instances with skewed
 /// clocks agree. A test may replace that one function to move the store's clock.
 ///
@@ -71,12 +75,12 @@ use crate::response::StoredResponse;
 /// Every statement goes over the simple query protocol with its values written in as
 /// literals, so the store works behind a pooler in transaction mode (PgBouncer, RDS Proxy,
 /// Supavisor) with nothing to configure: every message is whole in itself, and no setting
-/// outlives its transaction. Calls of the store's functions are sent as text (cheap to plan);
-/// the statements written out in SQL (the read and the insert of
-/// [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`]) are prepared with SQL
-/// `PREPARE` on each server connection that runs them, under a name that is a digest of
-/// their text, so that Postgres plans them once per connection, and a client of a pooler that
-/// meets one on a shared server connection meets the statement it means. A server connection
+/// outlives its transaction. The statements a request costs (the read, the insert and the
+/// completion) are written out in SQL and prepared with SQL `PREPARE` on each server
+/// connection that runs them, under a name that is a digest of their text, so that Postgres
+/// plans them once per connection, and a client of a pooler that meets one on a shared server
+/// connection meets the statement it means. Calls of the store's functions (the rarer paths:
+/// takeover, release, renewal, and [`ClaimStrategy::Combined`]'s claim) are sent as text. A server connection
 /// that does not hold one yet answers its first `EXECUTE` with an error (`prepared statement
 /// "tower_idempotency_…" does not exist`, in the server's log once per server connection and
 /// statement), and the store sends it again with the `PREPARE`. Each statement runs under
@@ -100,10 +104,11 @@ pub struct PostgresStore {
     prepared: bool,
     /// Wake-ups for waiting duplicates ([`PostgresStore::with_notifications`]).
     notifier: Option<Arc<PgNotifier>>,
-    /// The store's schema, quoted as an identifier: the schema of the function
-    /// `tower_idempotency_now()` that the connection's `search_path` finds, looked up at the
-    /// first statement sent prepared by name ([`PostgresStore::run_named`]).
-    schema: Arc<tokio::sync::OnceCell<String>>,
+    /// The store's statements written out in SQL, with its schema written in
+    /// ([`PostgresStore::run_named`]).
+    rendered: Arc<tokio::sync::OnceCell<Rendered>>,
+    /// How often recent claims found their key's record ([`ClaimStrategy::Adaptive`]).
+    workload: Arc<Workload>,
 }
 
 /// The default `statement_timeout` of the store's statements.
@@ -119,25 +124,29 @@ const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 ///
 /// | strategy | first request | replay |
 /// |---|---|---|
-/// | [`Combined`](ClaimStrategy::Combined) (default) | 2 statements: claim (a read, then the insert), complete | 1 statement: the read, which skips the insert |
-/// | [`ReadFirst`](ClaimStrategy::ReadFirst) | 3: read, insert, complete | 1 plain `SELECT` |
-/// | [`InsertFirst`](ClaimStrategy::InsertFirst) | 2: plain insert, complete | 2: insert (conflicts), read |
+/// | [`Adaptive`](ClaimStrategy::Adaptive) (default) | 2 statements: insert, complete (3 while most claims find their key) | 1 statement: the read (2 while most claims are first requests) |
+/// | [`Combined`](ClaimStrategy::Combined) | 2: claim (a read, then the insert), complete | 1: the read, which skips the insert |
+/// | [`ReadFirst`](ClaimStrategy::ReadFirst) | 3: read, insert, complete | 1: the read |
+/// | [`InsertFirst`](ClaimStrategy::InsertFirst) | 2: insert, complete | 2: insert (conflicts), read |
 ///
-/// `Combined` suits most endpoints: one statement for a replay and two for a first request,
-/// neither of them the slowest of the three. `ReadFirst`'s replay is a bare `SELECT` prepared
-/// on the server connection (see "Poolers and bounds" on [`PostgresStore`]), the cheapest
-/// replay of the three (1.13× `Combined`'s over HTTP, BENCHMARKS.md), for a
-/// third statement on every first request: for endpoints whose clients retry a lot. Its
-/// insert, also prepared, is `InsertFirst`'s first statement: a first request in two
-/// statements, level with `Combined`'s over HTTP, and a replay in two, for endpoints that
-/// see few retries. Expired or abandoned keys cost one more statement (the takeover) in every
-/// strategy.
+/// The read, the insert and the completion are bare statements prepared on the server
+/// connection (see "Poolers and bounds" on [`PostgresStore`]); `Combined`'s claim is a call
+/// of a PL/pgSQL function, one statement for either case, which costs the database more than
+/// either bare statement (the call is planned every time, and the function saves and restores
+/// its settings). `Adaptive` sends the statement that most likely settles the claim alone:
+/// the insert while most recent claims were first requests, the read while most found their
+/// key (retry storms, a client replaying a batch). Expired or abandoned keys cost one more
+/// statement (the takeover) in every strategy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ClaimStrategy {
+    /// The insert first while most recent claims were first requests, the read first while
+    /// most found their key: the cheapest of [`ReadFirst`](Self::ReadFirst) and
+    /// [`InsertFirst`](Self::InsertFirst) for the store's recent claims.
+    #[default]
+    Adaptive,
     /// One statement reads the record and inserts it when absent: a call of the claim
     /// function, which inserts only for an absent key.
-    #[default]
     Combined,
     /// A plain `SELECT` first; the insert only when the key is absent.
     ReadFirst,
@@ -151,13 +160,14 @@ impl PostgresStore {
         let notifier = Arc::new(PgNotifier::new(pool.connect_options().as_ref().clone()));
         Self {
             pool,
-            strategy: ClaimStrategy::Combined,
+            strategy: ClaimStrategy::Adaptive,
             purge_duty: 1.0,
             statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             prepared: false,
             notifier: Some(notifier),
-            schema: Arc::default(),
+            rendered: Arc::default(),
+            workload: Arc::default(),
         }
     }
 
@@ -172,7 +182,7 @@ impl PostgresStore {
     /// while it waits. Completions, releases and rollbacks look the key's hash up in their
     /// own transaction and send `NOTIFY` only when someone waits (delivered when they
     /// commit): a key nobody waits for costs one primary-key probe of that small table
-    /// inside the completion's function, never a `NOTIFY`, which would serialize commits
+    /// inside the completion's statement, never a `NOTIFY`, which would serialize commits
     /// (no difference measured: BENCHMARKS.md). With `false`, completions are silent and
     /// waiters poll: they claim again at growing intervals (20 ms up to 500 ms). A process
     /// with notifications off completes keys silently, and waiters elsewhere notice only at
@@ -269,7 +279,7 @@ impl PostgresStore {
         (self.statement_timeout, self.lock_timeout)
     }
 
-    /// How a claim is sent to the database (default [`ClaimStrategy::Combined`]).
+    /// How a claim is sent to the database (default [`ClaimStrategy::Adaptive`]).
     pub fn with_claim_strategy(mut self, strategy: ClaimStrategy) -> Self {
         self.strategy = strategy;
         self

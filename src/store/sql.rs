@@ -57,15 +57,6 @@ impl Lit<'_> {
         Ok(())
     }
 
-    /// The SQL type of the value: the type of its parameter in a prepared statement.
-    fn sql_type(&self) -> &'static str {
-        match self {
-            Lit::Text(_) => "text",
-            Lit::Bytes(_) | Lit::MaybeBytes(_) => "bytea",
-            Lit::Int(_) => "bigint",
-        }
-    }
-
     /// About how long the literal is.
     pub(crate) fn len_hint(&self) -> usize {
         match *self {
@@ -118,7 +109,7 @@ pub(crate) fn append(sql: &mut String, template: &str, args: &[Lit<'_>]) -> Resu
 /// statement prepared on a shared server connection finds the statement it means. (Names are
 /// resolved again when a statement runs under another `search_path` than it was prepared with:
 /// Postgres analyses a prepared statement anew whenever the path differs.)
-pub(crate) fn prepared_name(body: &str, args: &[Lit<'_>]) -> String {
+pub(crate) fn prepared_name(body: &str, types: &[&str]) -> String {
     const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
     const PRIME: u64 = 0x0000_0100_0000_01b3;
     let mut hash = OFFSET;
@@ -128,8 +119,8 @@ pub(crate) fn prepared_name(body: &str, args: &[Lit<'_>]) -> String {
             hash = hash.wrapping_mul(PRIME);
         }
     };
-    for arg in args {
-        add(arg.sql_type());
+    for ty in types {
+        add(ty);
     }
     add(body);
     format!("tower_idempotency_{hash:016x}")
@@ -147,16 +138,24 @@ pub(crate) fn push_execute(
     sql: &mut String,
     name: &str,
     body: &str,
+    types: &[&str],
     args: &[Lit<'_>],
     prepare: bool,
 ) -> Result<(), StoreError> {
+    if types.len() != args.len() {
+        return Err(StoreError::backend(format!(
+            "{} values for the {} parameters of {name}",
+            args.len(),
+            types.len()
+        )));
+    }
     if prepare {
         let _ = write!(sql, "PREPARE {name}");
-        for (i, arg) in args.iter().enumerate() {
+        for (i, ty) in types.iter().enumerate() {
             sql.push_str(if i == 0 { "(" } else { ", " });
-            sql.push_str(arg.sql_type());
+            sql.push_str(ty);
         }
-        sql.push_str(if args.is_empty() { " AS " } else { ") AS " });
+        sql.push_str(if types.is_empty() { " AS " } else { ") AS " });
         sql.push_str(body);
         sql.push_str("; ");
     }
@@ -194,8 +193,8 @@ pub(crate) fn push_bounds(sql: &mut String, statement: Duration, lock: Duration)
 /// Appends `bytes` to `sql` as an expression of type `bytea`. Only hex digits are copied into
 /// the statement, so no value can change its meaning.
 pub(crate) fn push_bytea(sql: &mut String, bytes: &[u8]) {
-    sql.reserve(bytes.len() * 2 + 24);
-    sql.push_str("decode('");
+    sql.reserve(bytes.len() * 2 + 36);
+    sql.push_str("pg_catalog.decode('");
     crate::hex::push(sql, bytes);
     sql.push_str("','hex')");
 }
@@ -216,8 +215,8 @@ pub(crate) fn push_text(sql: &mut String, text: &str) -> Result<(), StoreError> 
         return Err(StoreError::backend("a value contains a NUL character"));
     }
     if !text.is_ascii() {
-        sql.reserve(text.len() * 2 + 40);
-        sql.push_str("convert_from(decode('");
+        sql.reserve(text.len() * 2 + 64);
+        sql.push_str("pg_catalog.convert_from(pg_catalog.decode('");
         crate::hex::push(sql, text.as_bytes());
         sql.push_str("','hex'),'UTF8')");
         return Ok(());
@@ -253,7 +252,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             sql,
-            "SELECT E'a''$2\\\\', decode('00ff','hex'), (-5), NULL, E'a''$2\\\\'"
+            "SELECT E'a''$2\\\\', pg_catalog.decode('00ff','hex'), (-5), NULL, E'a''$2\\\\'"
         );
     }
 
@@ -271,14 +270,17 @@ mod tests {
         assert_eq!(sql, r"E'it''s a \\ back''slash'");
         let mut sql = String::new();
         push_bytea(&mut sql, &[0x00, 0x7f, 0xff, b'\'']);
-        assert_eq!(sql, "decode('007fff27','hex')");
+        assert_eq!(sql, "pg_catalog.decode('007fff27','hex')");
     }
 
     #[test]
     fn non_ascii_text_is_sent_as_hex_and_nul_is_refused() {
         let mut sql = String::new();
         push_text(&mut sql, "été'").unwrap();
-        assert_eq!(sql, "convert_from(decode('c3a974c3a927','hex'),'UTF8')");
+        assert_eq!(
+            sql,
+            "pg_catalog.convert_from(pg_catalog.decode('c3a974c3a927','hex'),'UTF8')"
+        );
         assert!(sql.is_ascii());
         assert!(push_text(&mut String::new(), "a\0b").is_err());
     }
@@ -286,28 +288,32 @@ mod tests {
     #[test]
     fn a_prepared_statement_is_named_by_its_text_and_types_and_prepared_before_it_runs() {
         let args = [Lit::Text("k"), Lit::Int(-1), Lit::MaybeBytes(None)];
-        let name = prepared_name("SELECT $1, $2, $3", &args);
+        let types = ["text", "bigint", "bytea"];
+        let name = prepared_name("SELECT $1, $2, $3", &types);
         assert!(
             name.starts_with("tower_idempotency_") && name.len() == 34,
             "{name}"
         );
-        assert_eq!(name, prepared_name("SELECT $1, $2, $3", &args));
-        assert_ne!(name, prepared_name("SELECT $1, $2, $3 ", &args));
-        let other_types = [Lit::Text("k"), Lit::Int(-1), Lit::Text("")];
+        assert_eq!(name, prepared_name("SELECT $1, $2, $3", &types));
+        assert_ne!(name, prepared_name("SELECT $1, $2, $3 ", &types));
+        let other_types = ["text", "bigint", "text"];
         assert_ne!(name, prepared_name("SELECT $1, $2, $3", &other_types));
 
         let mut sql = String::new();
-        push_execute(&mut sql, "p", "SELECT $1, $2, $3", &args, false).unwrap();
+        push_execute(&mut sql, "p", "SELECT $1, $2, $3", &types, &args, false).unwrap();
         assert_eq!(sql, "EXECUTE p(E'k', (-1), NULL)");
         let mut sql = String::new();
-        push_execute(&mut sql, "p", "SELECT $1, $2, $3", &args, true).unwrap();
+        push_execute(&mut sql, "p", "SELECT $1, $2, $3", &types, &args, true).unwrap();
         assert_eq!(
             sql,
             "PREPARE p(text, bigint, bytea) AS SELECT $1, $2, $3; EXECUTE p(E'k', (-1), NULL)"
         );
         let mut sql = String::new();
-        push_execute(&mut sql, "p", "SELECT 1", &[], true).unwrap();
+        push_execute(&mut sql, "p", "SELECT 1", &[], &[], true).unwrap();
         assert_eq!(sql, "PREPARE p AS SELECT 1; EXECUTE p");
+        assert!(
+            push_execute(&mut String::new(), "p", "SELECT $1", &[], &args[..1], false).is_err()
+        );
     }
 
     #[test]

@@ -23,9 +23,11 @@ impl PostgresStore {
 
     /// The token of a fresh claim, or `None` when the key exists.
     pub(super) async fn insert(&self, req: &ClaimRequest<'_>) -> Result<Option<i64>, StoreError> {
-        let args = claim_args(req, self.lock_timeout);
+        let mut args = claim_args(req, self.lock_timeout);
         if !self.prepared {
-            return match self.run_named(&INSERT, &args[..5]).await?.first() {
+            // `$6`: the token instead of the lock timeout, which the message's settings carry.
+            args[5] = Lit::Int(unrepeatable_token()?);
+            return match self.run_named(&INSERT, &args).await?.first() {
                 Some(row) => Ok(Some(row.try_get("inserted")?)),
                 None => Ok(None),
             };
@@ -62,6 +64,23 @@ impl PostgresStore {
         }
     }
 
+    /// [`execute_token_statement`](Self::execute_token_statement) for a [`Bare`] statement,
+    /// which returns a row per record it changed.
+    pub(super) async fn execute_bare_token_statement(
+        &self,
+        bare: &Bare,
+        args: &[Lit<'_>],
+    ) -> Result<u64, StoreError> {
+        let mut attempts = 1;
+        loop {
+            match self.run_named(bare, args).await {
+                Ok(rows) => return Ok(u64::try_from(rows.len()).unwrap_or(u64::MAX)),
+                Err(e) if lost_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// One attempt of the claim's first step, as the strategy sends it.
     pub(super) async fn look_and_insert(
         &self,
@@ -80,20 +99,43 @@ impl PostgresStore {
                     None => decide(row, req)?,
                 }
             }
-            ClaimStrategy::ReadFirst => match self.read(req).await? {
-                Some(row) => decide(&row, req)?,
-                None => match self.insert(req).await? {
-                    Some(token) => Decision::Done(acquired(token, false)),
-                    None => Decision::Retry,
-                },
-            },
-            ClaimStrategy::InsertFirst => match self.insert(req).await? {
+            ClaimStrategy::ReadFirst => self.read_first(req).await?,
+            ClaimStrategy::InsertFirst => self.insert_first(req).await?,
+            ClaimStrategy::Adaptive => {
+                let (decision, found) = if self.workload.reads_first() {
+                    let decision = self.read_first(req).await?;
+                    let found = !matches!(decision, Decision::Done(ClaimOutcome::Acquired { .. }));
+                    (decision, found)
+                } else {
+                    let decision = self.insert_first(req).await?;
+                    let found = !matches!(decision, Decision::Done(ClaimOutcome::Acquired { .. }));
+                    (decision, found)
+                };
+                self.workload.record(found);
+                decision
+            }
+        })
+    }
+
+    /// The read; the insert when the key has no record.
+    async fn read_first(&self, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
+        Ok(match self.read(req).await? {
+            Some(row) => decide(&row, req)?,
+            None => match self.insert(req).await? {
                 Some(token) => Decision::Done(acquired(token, false)),
-                None => match self.read(req).await? {
-                    Some(row) => decide(&row, req)?,
-                    // Deleted between the two statements (released or purged).
-                    None => Decision::Retry,
-                },
+                None => Decision::Retry,
+            },
+        })
+    }
+
+    /// The insert; the read when the key has a record.
+    async fn insert_first(&self, req: &ClaimRequest<'_>) -> Result<Decision, StoreError> {
+        Ok(match self.insert(req).await? {
+            Some(token) => Decision::Done(acquired(token, false)),
+            None => match self.read(req).await? {
+                Some(row) => decide(&row, req)?,
+                // Deleted between the two statements (released or purged).
+                None => Decision::Retry,
             },
         })
     }

@@ -71,9 +71,20 @@ impl Store for PostgresStore {
             Lit::Int(millis(self.lock_timeout)),
             Lit::Int(self.notification(scope, key).unwrap_or_default()),
         ];
-        let done = match self.notifier {
-            Some(_) => self.execute_token_statement(COMPLETE_WAKE, &args).await?,
-            None => self.execute_token_statement(COMPLETE, &args[..8]).await?,
+        let done = match (self.prepared, &self.notifier) {
+            (false, Some(_)) => {
+                let mut bare_args = args;
+                // The bare statement's `$8` is the key's hash: the lock bound is a setting.
+                bare_args[7] = bare_args[8];
+                self.execute_bare_token_statement(&COMPLETE_BARE_WAKE, &bare_args[..8])
+                    .await?
+            }
+            (false, None) => {
+                self.execute_bare_token_statement(&COMPLETE_BARE, &args[..7])
+                    .await?
+            }
+            (true, Some(_)) => self.execute_token_statement(COMPLETE_WAKE, &args).await?,
+            (true, None) => self.execute_token_statement(COMPLETE, &args[..8]).await?,
         };
         Ok(done == 1)
     }

@@ -320,7 +320,7 @@ mod tests {
         assert_eq!(
             record,
             "SET LOCAL statement_timeout = 5000; SET LOCAL lock_timeout = 1000; \
-             SELECT tower_idempotency_phase_record(E's', E'k', 7, decode('01','hex'), 30000, NULL, NULL); COMMIT"
+             SELECT tower_idempotency_phase_record(E's', E'k', 7, pg_catalog.decode('01','hex'), 30000, NULL, NULL); COMMIT"
         );
         let (fenced, _) = record_batch(held, b"", None, lease, true, bounds).unwrap();
         assert!(fenced.contains("current_setting('tower_idempotency.row')::tid, NULL)"));

@@ -1,7 +1,6 @@
 //! How the store sends its statements: as text with its settings in front, or prepared by
 //! name on the server connection (pooler-safe), and how their rows come back.
 
-use std::fmt::Write as _;
 use std::time::Duration;
 
 use sqlx::postgres::PgRow;
@@ -25,8 +24,9 @@ impl PostgresStore {
         Ok(sql)
     }
 
-    /// The message that runs `bare`, prepared by `name` on the server connection that
-    /// receives it (and prepared first when `prepare` is set), after the store's settings.
+    /// The message that runs `bare` (its `text` as [`Rendered`] wrote it), prepared by `name`
+    /// on the server connection that receives it (and prepared first when `prepare` is set),
+    /// after the store's settings.
     ///
     /// For a statement that reads the table, the plan settings make the plan the same whatever
     /// the table's statistics say, and keep it: a statement prepared while the table was empty
@@ -37,43 +37,30 @@ impl PostgresStore {
     /// `ANALYZE`), under the same settings, since every message carries them. An insert of one
     /// row has one plan whatever the statistics say (its conflict is looked up in the key's
     /// unique index): its message goes without them.
-    ///
-    /// The message also pins the statement's `search_path` to the store's schema, as the
-    /// store's functions pin their own: an application schema ahead on the connection's path
-    /// (a table named like the store's, a `nextval` of its own) cannot change what it reads
-    /// or writes. Postgres analyses a prepared statement again whenever it runs under another
-    /// path than it was analysed with, so a statement prepared by the store of another schema
-    /// on a pooler's shared server connection reads this store's tables.
     pub(super) fn named_message(
         &self,
         bare: &Bare,
-        schema: &str,
-        name: &str,
+        (text, name): (&str, &str),
         args: &[Lit<'_>],
         prepare: bool,
     ) -> Result<String, StoreError> {
         let hint: usize = args.iter().map(Lit::len_hint).sum();
-        let extra = if prepare { bare.text.len() + 64 } else { 0 };
-        let mut sql = String::with_capacity(320 + hint + extra);
-        self.push_bare_settings(&mut sql, bare, schema);
+        let extra = if prepare { text.len() + 64 } else { 0 };
+        let mut sql = String::with_capacity(256 + hint + extra);
+        self.push_bare_settings(&mut sql, bare);
         if bare.scans {
             sql.push_str(
                 "SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off; ",
             );
         }
-        push_execute(&mut sql, name, bare.text, args, prepare)?;
+        push_execute(&mut sql, name, text, bare.params, args, prepare)?;
         Ok(sql)
     }
 
-    /// The settings in front of a [`Bare`] statement, prepared or not: `READ COMMITTED`, the
-    /// `search_path` pinned to the store's `schema`, and the store's bounds (the lock bound
-    /// for a statement that can wait for a row lock).
-    pub(super) fn push_bare_settings(&self, sql: &mut String, bare: &Bare, schema: &str) {
+    /// The settings in front of a [`Bare`] statement, prepared or not: `READ COMMITTED` and
+    /// the store's bounds (the lock bound for a statement that can wait for a row lock).
+    pub(super) fn push_bare_settings(&self, sql: &mut String, bare: &Bare) {
         sql.push_str("SET LOCAL transaction_isolation = 'read committed'; ");
-        let _ = write!(
-            sql,
-            "SET LOCAL search_path = pg_catalog, {schema}, pg_temp; "
-        );
         let lock = if bare.locks {
             self.lock_timeout
         } else {
@@ -85,12 +72,28 @@ impl PostgresStore {
         }
     }
 
+    /// The store's [`Bare`] statements with its schema written in, rendered at the first
+    /// statement sent prepared by name: the schema is the one of the function
+    /// `tower_idempotency_now()` that the connection's `search_path` finds.
+    async fn rendered(&self) -> Result<&Rendered, StoreError> {
+        self.rendered
+            .get_or_try_init(|| async {
+                let schema = sqlx::raw_sql(SCHEMA_OF_THE_STORE)
+                    .fetch_one(&self.pool)
+                    .await
+                    .and_then(|row| row.try_get::<String, _>(0))
+                    .map_err(|e| self.error(e))?;
+                Ok(Rendered::new(&schema))
+            })
+            .await
+    }
+
     /// Runs `bare` as a statement prepared by name on the server connection that runs it
     /// (SQL `PREPARE` and `EXECUTE` over the simple protocol), and returns its rows.
     ///
     /// Over the simple protocol Postgres parses, analyses and plans every statement it is sent; a
     /// prepared statement is planned once per server connection (a replay's read costs the database
-    /// about a quarter less: BENCHMARKS.md). Unlike the extended protocol's prepared statements,
+    /// about a third less: BENCHMARKS.md). Unlike the extended protocol's prepared statements,
     /// whose names belong to the client connection and which a pooler in transaction mode carries
     /// to server connections that hold another client's statement of that name, a statement
     /// prepared here is named by its own text ([`prepared_name`]): found on any server connection,
@@ -104,20 +107,10 @@ impl PostgresStore {
         bare: &Bare,
         args: &[Lit<'_>],
     ) -> Result<Vec<PgRow>, StoreError> {
-        let schema = self
-            .schema
-            .get_or_try_init(|| async {
-                sqlx::raw_sql(SCHEMA_OF_THE_STORE)
-                    .fetch_one(&self.pool)
-                    .await
-                    .and_then(|row| row.try_get::<String, _>(0))
-                    .map_err(|e| self.error(e))
-            })
-            .await?;
-        let name = prepared_name(bare.text, args);
+        let statement = self.rendered().await?.get(bare)?;
         let mut prepare = false;
         for _ in 0..NAMED_ATTEMPTS {
-            let sql = self.named_message(bare, schema, &name, args, prepare)?;
+            let sql = self.named_message(bare, statement, args, prepare)?;
             match sqlx::raw_sql(AssertSqlSafe(sql))
                 .fetch_all(&self.pool)
                 .await
@@ -128,8 +121,8 @@ impl PostgresStore {
             }
         }
         let mut sql = String::new();
-        self.push_bare_settings(&mut sql, bare, schema);
-        append(&mut sql, bare.text, args)?;
+        self.push_bare_settings(&mut sql, bare);
+        append(&mut sql, statement.0, args)?;
         sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_all(&self.pool)
             .await

@@ -2,6 +2,7 @@
 //! run prepared by name.
 
 use crate::error::StoreError;
+use crate::store::sql::prepared_name;
 
 /// The claim, in one statement: the function `tower_idempotency_plain_claim` reads the
 /// record by its key and, only when the key is absent, inserts it. For a replay, an in-flight
@@ -31,9 +32,22 @@ SELECT pg_catalog.quote_ident(n.nspname) \
 /// A statement of the store written out in SQL (not a call of one of its functions), sent
 /// prepared by name ([`PostgresStore::run_named`]): planning such a statement is most of what
 /// it costs the database, and a prepared one is planned once per server connection.
+///
+/// Its text names every table, function, operator and type with its schema: the store's
+/// own, written in where the text says `{s}` ([`Rendered`]), and `pg_catalog`. What it means
+/// therefore does not depend on the connection's `search_path`, and the message that runs it
+/// needs no `search_path` setting of its own (which would cost every message a setting and a
+/// new lookup of the path): an application schema ahead of the store's on the path, with a
+/// table, a function or an operator named like the ones the statement uses, changes nothing
+/// (`tests/postgres.rs`); stores of two schemas have statements of two texts, under two
+/// names.
 pub(super) struct Bare {
-    /// The statement, its values as `$1`…`$n`.
+    /// Its place in [`BARE`] and in [`Rendered`].
+    pub(super) id: usize,
+    /// The statement, its values as `$1`…`$n`, the store's schema as `{s}`.
     pub(super) text: &'static str,
+    /// The SQL types of `$1`…`$n`.
+    pub(super) params: &'static [&'static str],
     /// Whether it can wait for a row lock (another transaction writing the key's row), so
     /// that its message sets the store's `lock_timeout`.
     pub(super) locks: bool,
@@ -46,70 +60,174 @@ pub(super) struct Bare {
     pub(super) unflushed: bool,
 }
 
-/// The read alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`] with
-/// prepared statements ([`PostgresStore::with_prepared_statements`]): a call of the function
+/// Every [`Bare`] statement, at its `id`.
+pub(super) const BARE: [&Bare; 5] = [
+    &READ,
+    &INSERT,
+    &LEASE_INSERT,
+    &COMPLETE_BARE,
+    &COMPLETE_BARE_WAKE,
+];
+
+/// The [`Bare`] statements of one store, its schema written in, each with the name it is
+/// prepared under ([`prepared_name`]), in the order of [`BARE`].
+#[derive(Debug)]
+pub(super) struct Rendered {
+    pub(super) statements: Vec<(String, String)>,
+}
+
+impl Rendered {
+    /// The statements of the store whose schema, quoted as an identifier, is `schema`.
+    pub(super) fn new(schema: &str) -> Self {
+        let statements = BARE
+            .iter()
+            .map(|bare| {
+                let text = bare.text.replace("{s}", schema);
+                let name = prepared_name(&text, bare.params);
+                (text, name)
+            })
+            .collect();
+        Self { statements }
+    }
+
+    /// The text and the name of `bare`.
+    pub(super) fn get(&self, bare: &Bare) -> Result<(&str, &str), StoreError> {
+        self.statements
+            .get(bare.id)
+            .map(|(text, name)| (text.as_str(), name.as_str()))
+            .ok_or_else(|| StoreError::backend("a statement of the store is not rendered"))
+    }
+}
+
+/// The read alone, for [`ClaimStrategy::Adaptive`], [`ClaimStrategy::ReadFirst`] and
+/// [`ClaimStrategy::InsertFirst`] with prepared statements ([`PostgresStore::with_prepared_statements`]): a call of the function
 /// that reads the record in the store's own schema. Otherwise [`READ`].
 pub(super) const READ_CALL: &str = "SELECT * FROM tower_idempotency_plain_read($1, $2, $3, $6)";
 
-/// The read alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`]: a
-/// bare `SELECT` by key (it takes no lock, so it needs no lock bound), with the columns
-/// [`decide`] reads. `$1` scope, `$2` key, `$3` fingerprint.
+/// `{s}.tower_idempotency_now() + $n ms`, as [`Bare`] statements write it.
+macro_rules! now_plus_ms {
+    ($n:literal) => {
+        concat!(
+            "({s}.tower_idempotency_now() OPERATOR(pg_catalog.+) ($",
+            $n,
+            "::pg_catalog.float8 OPERATOR(pg_catalog.*) interval '1 millisecond'))"
+        )
+    };
+}
+
+/// The read alone, for [`ClaimStrategy::ReadFirst`], [`ClaimStrategy::InsertFirst`] and
+/// [`ClaimStrategy::Adaptive`]: a bare `SELECT` by key (it takes no lock, so it needs no lock
+/// bound), with the columns [`decide`] reads. `$1` scope, `$2` key, `$3` fingerprint.
 pub(super) const READ: Bare = Bare {
+    id: 0,
+    params: &["text", "text", "bytea"],
     locks: false,
     scans: true,
     unflushed: false,
-    text: READ_TEXT,
-};
-pub(super) const READ_TEXT: &str = "\
-SELECT k.fingerprint, k.lease_token, k.expires_at <= tower_idempotency_now() AS expired, \
-       (k.expires_at <= tower_idempotency_now() \
-        OR (k.lease_token IS NOT NULL AND k.lease_expires_at <= tower_idempotency_now() \
-            AND k.fingerprint = $3)) AS claimable, \
-       (extract(epoch FROM k.lease_expires_at - tower_idempotency_now()) * 1000)::bigint \
-           AS lease_left_ms, \
+    text: "\
+SELECT k.fingerprint, k.lease_token, \
+       k.expires_at OPERATOR(pg_catalog.<=) {s}.tower_idempotency_now() AS expired, \
+       (k.expires_at OPERATOR(pg_catalog.<=) {s}.tower_idempotency_now() \
+        OR (k.lease_token IS NOT NULL \
+            AND k.lease_expires_at OPERATOR(pg_catalog.<=) {s}.tower_idempotency_now() \
+            AND k.fingerprint OPERATOR(pg_catalog.=) $3)) AS claimable, \
+       (pg_catalog.date_part('epoch', \
+            k.lease_expires_at OPERATOR(pg_catalog.-) {s}.tower_idempotency_now()) \
+        OPERATOR(pg_catalog.*) 1000)::pg_catalog.int8 AS lease_left_ms, \
        k.response_status, k.response_headers, k.response_body \
-  FROM tower_idempotency_keys AS k WHERE k.scope = $1 AND k.key = $2";
+  FROM {s}.tower_idempotency_keys AS k \
+ WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2",
+};
 
-/// The insert alone, for [`ClaimStrategy::ReadFirst`] and [`ClaimStrategy::InsertFirst`]
-/// with prepared statements ([`PostgresStore::with_prepared_statements`]), a call of the
+/// The insert alone, for [`ClaimStrategy::Adaptive`], [`ClaimStrategy::ReadFirst`] and
+/// [`ClaimStrategy::InsertFirst`] with prepared statements ([`PostgresStore::with_prepared_statements`]), a call of the
 /// function that bounds its own lock wait: the new record's token, or `NULL` when the key
 /// exists.
 pub(super) const INSERT_CALL: &str =
     "SELECT tower_idempotency_plain_insert($1, $2, $3, $4, $5, $6) AS inserted";
 
-/// The insert alone, sent prepared by name: one row with the new record's token, or none
-/// when the key exists. It waits for a concurrent insert of the same key to commit or roll
-/// back (a transactional-mode request holds its row for as long as its handler runs), so its
-/// message bounds the wait.
+/// The insert alone, sent prepared by name: one row with the new record's token (`$6`, from
+/// [`unrepeatable_token`]), or none when the key exists. It waits for a concurrent insert
+/// of the same key to commit or roll back (a transactional-mode request holds its row for as
+/// long as its handler runs), so its message bounds the wait.
 pub(super) const INSERT: Bare = Bare {
+    id: 1,
+    params: &["text", "text", "bytea", "bigint", "bigint", "bigint"],
     locks: true,
     scans: false,
     unflushed: false,
-    text: "\
-INSERT INTO tower_idempotency_keys AS k \
+    text: concat!(
+        "INSERT INTO {s}.tower_idempotency_keys AS k \
        (scope, key, fingerprint, lease_token, lease_expires_at, expires_at) \
-VALUES ($1, $2, $3, nextval('tower_idempotency_lease_token_seq'), \
-        tower_idempotency_now() + $4::float8 * interval '1 millisecond', \
-        tower_idempotency_now() + $5::float8 * interval '1 millisecond') \
-ON CONFLICT (scope, key) DO NOTHING \
-RETURNING k.lease_token AS inserted",
+VALUES ($1, $2, $3, $6, ",
+        now_plus_ms!("4"),
+        ", ",
+        now_plus_ms!("5"),
+        ") ON CONFLICT (scope, key) DO NOTHING RETURNING k.lease_token AS inserted"
+    ),
 };
 
-/// The insert of a phased-mode claim ([`PostgresStore::claim_lease`]): [`INSERT`] with the
-/// token given as `$6` (from [`unrepeatable_token`]), committed without waiting for its WAL
-/// flush.
+/// The insert of a phased-mode claim ([`PostgresStore::claim_lease`]): [`INSERT`],
+/// committed without waiting for its WAL flush.
 pub(super) const LEASE_INSERT: Bare = Bare {
-    locks: true,
-    scans: false,
+    id: 2,
     unflushed: true,
-    text: "\
-INSERT INTO tower_idempotency_keys AS k \
-       (scope, key, fingerprint, lease_token, lease_expires_at, expires_at) \
-VALUES ($1, $2, $3, $6, \
-        tower_idempotency_now() + $4::float8 * interval '1 millisecond', \
-        tower_idempotency_now() + $5::float8 * interval '1 millisecond') \
-ON CONFLICT (scope, key) DO NOTHING \
-RETURNING k.lease_token AS inserted",
+    ..INSERT
+};
+
+/// The completion's `UPDATE`: stores the answer while `$3` (the token) holds the record,
+/// living `$4` ms from now; `$5` status, `$6` headers, `$7` body. One row per record changed.
+macro_rules! complete_update {
+    () => {
+        concat!(
+            "UPDATE {s}.tower_idempotency_keys AS k \
+   SET lease_token = NULL, lease_expires_at = NULL, \
+       completed_at = {s}.tower_idempotency_now(), expires_at = ",
+            now_plus_ms!("4"),
+            ", response_status = $5, response_headers = $6, response_body = $7 \
+ WHERE k.scope OPERATOR(pg_catalog.=) $1 AND k.key OPERATOR(pg_catalog.=) $2 \
+   AND k.lease_token OPERATOR(pg_catalog.=) $3 \
+RETURNING 1 AS changed"
+        )
+    };
+}
+
+/// The completion of plain mode, sent prepared by name, when nobody is woken
+/// ([`PostgresStore::with_notifications`]`(false)`): a row when it stored the answer, none
+/// when the token no longer holds the record.
+pub(super) const COMPLETE_BARE: Bare = Bare {
+    id: 3,
+    params: &[
+        "text", "text", "bigint", "bigint", "bigint", "bytea", "bytea",
+    ],
+    locks: true,
+    scans: true,
+    unflushed: false,
+    text: complete_update!(),
+};
+
+/// [`COMPLETE_BARE`], also waking the key's waiters (`$8`, the key's hash) when it stored the
+/// answer: a `NOTIFY` only when a waiter registered the hash (one primary-key probe of the
+/// small table of waiters otherwise).
+pub(super) const COMPLETE_BARE_WAKE: Bare = Bare {
+    id: 4,
+    params: &[
+        "text", "text", "bigint", "bigint", "bigint", "bytea", "bytea", "bigint",
+    ],
+    locks: true,
+    scans: true,
+    unflushed: false,
+    text: concat!(
+        "WITH done AS (",
+        complete_update!(),
+        "), woken AS (\
+SELECT pg_catalog.pg_notify('tower_idempotency', w.hash::pg_catalog.text) \
+  FROM {s}.tower_idempotency_waiting AS w \
+ WHERE w.hash OPERATOR(pg_catalog.=) $8 \
+   AND w.until OPERATOR(pg_catalog.>) {s}.tower_idempotency_now() \
+   AND EXISTS (SELECT FROM done)) \
+SELECT d.changed FROM done AS d, (SELECT pg_catalog.count(*) FROM woken) AS n"
+    ),
 };
 
 /// A lease token no claim lost in a crash can have handed out before: 62 random bits above
@@ -131,8 +249,10 @@ pub(super) fn unrepeatable_token() -> Result<i64, StoreError> {
 pub(super) const TAKEOVER: &str =
     "SELECT tower_idempotency_plain_takeover($1, $2, $3, $4, $5, $6) AS lease_token";
 
-/// Stores the answer while `$3` (the token) holds the record: `$4` time to live (ms), `$5`
-/// status, `$6` headers, `$7` body, `$8` lock timeout (ms). Returns the rows changed.
+/// Stores the answer while `$3` (the token) holds the record, with prepared statements
+/// ([`PostgresStore::with_prepared_statements`]; otherwise [`COMPLETE_BARE`]): `$4` time to
+/// live (ms), `$5` status, `$6` headers, `$7` body, `$8` lock timeout (ms). Returns the rows
+/// changed.
 pub(super) const COMPLETE: &str = "SELECT tower_idempotency_plain_complete(\
      $1, $2, $3, $4, $5::smallint, $6, $7, $8) AS changed";
 

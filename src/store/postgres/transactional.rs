@@ -229,7 +229,9 @@ mod tests {
                  current_setting('transaction_isolation') AS isolation \
                  FROM tower_idempotency_claim_tx("
         ));
-        assert!(claim.contains(",E't',E'k',decode('0102','hex')) AS c; SELECT set_config("));
+        assert!(
+            claim.contains(",E't',E'k',pg_catalog.decode('0102','hex')) AS c; SELECT set_config(")
+        );
         assert!(claim.ends_with("true); SAVEPOINT tower_idempotency_handler"));
         let serializable = claim_batch(
             "t",
@@ -265,7 +267,7 @@ mod tests {
         assert_eq!(
             done.sql,
             "SELECT tower_idempotency_complete_tx('(0,7)',E't',E'k',1000,201::smallint,\
-             decode('','hex'),decode('7b7d','hex')); COMMIT"
+             pg_catalog.decode('','hex'),pg_catalog.decode('7b7d','hex')); COMMIT"
         );
         let again = completion_batch(&placeholder, ttl, &stored, true, bounded, Some(42)).unwrap();
         assert_eq!(again.through_commit, 5);
@@ -277,7 +279,7 @@ mod tests {
         // Above READ COMMITTED the wake-up comes after the request's COMMIT, in a transaction
         // of its own that sees the waiters registered while the handler ran.
         assert!(again.ends_with(
-            ",decode('7b7d','hex')); COMMIT; BEGIN ISOLATION LEVEL READ COMMITTED; \
+            ",pg_catalog.decode('7b7d','hex')); COMMIT; BEGIN ISOLATION LEVEL READ COMMITTED; \
              SELECT tower_idempotency_wake(42); COMMIT"
         ));
         // At READ COMMITTED the completion's own statement looks, with a snapshot of its own.
@@ -289,7 +291,8 @@ mod tests {
             completion_batch(&read_committed, ttl, &stored, false, unbounded, Some(42)).unwrap();
         assert_eq!(rc.through_commit, 2);
         assert!(
-            rc.sql.ends_with(",decode('7b7d','hex'),42); COMMIT"),
+            rc.sql
+                .ends_with(",pg_catalog.decode('7b7d','hex'),42); COMMIT"),
             "{}",
             rc.sql
         );

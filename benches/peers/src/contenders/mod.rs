@@ -24,6 +24,7 @@ pub enum Kind {
     None,
     Tower,
     TowerPrepared,
+    TowerCombined,
     TowerReadFirst,
     TowerInsertFirst,
     TowerMemory,
@@ -68,7 +69,7 @@ pub const ALL: &[Contender] = &[
         version: tower_idem::VERSION,
         config: "IdempotencyLayer::new(PostgresStore::new(pool)) after store.migrate(); \
                  with_scope(principal) + with_scope_required(true); defaults otherwise \
-                 (simple protocol, plain mode)",
+                 (simple protocol, plain mode, ClaimStrategy::Adaptive)",
     },
     Contender {
         name: "tower-idempotency-prepared",
@@ -76,6 +77,14 @@ pub const ALL: &[Contender] = &[
         storage: Storage::Postgres,
         version: tower_idem::VERSION,
         config: "as tower-idempotency, with PostgresStore::new(pool).with_prepared_statements(true)",
+    },
+    Contender {
+        name: "tower-idempotency-combined",
+        kind: Kind::TowerCombined,
+        storage: Storage::Postgres,
+        version: tower_idem::VERSION,
+        config: "as tower-idempotency, with \
+                 PostgresStore::new(pool).with_claim_strategy(ClaimStrategy::Combined)",
     },
     Contender {
         name: "tower-idempotency-read-first",
@@ -179,6 +188,9 @@ pub async fn build(kind: Kind, counters: Counters, db_url: &str) -> Result<Built
         Kind::Tower => tower_idem::postgres(routes, db_url, false, ClaimStrategy::default()).await,
         Kind::TowerPrepared => {
             tower_idem::postgres(routes, db_url, true, ClaimStrategy::default()).await
+        }
+        Kind::TowerCombined => {
+            tower_idem::postgres(routes, db_url, false, ClaimStrategy::Combined).await
         }
         Kind::TowerReadFirst => {
             tower_idem::postgres(routes, db_url, false, ClaimStrategy::ReadFirst).await
