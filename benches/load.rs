@@ -12,9 +12,9 @@
 //! once with the same route *without* the layer, whose handler does by hand the work the layer
 //! would do (the baseline; for `pg-tx`, the handler's own transaction with no idempotency at
 //! all). The Postgres scenarios exist once per `ClaimStrategy` (`pg-plain-new`, `pg-replay`:
-//! the default, `Combined`; `-insert-first`, `-read-first`). `pg-plain-new-same-sql` sets the
-//! default store against its own SQL by hand (`pg-plain-new`'s baseline sends the cheaper
-//! insert-first SQL). Two references have no layer on either side: `pg-tx-by-hand` sends the
+//! the default, `Adaptive`; `-insert-first`, `-read-first`; `pg-replay-combined`).
+//! `pg-plain-new-same-sql` sets a `Combined` store against its own SQL by hand (the claim
+//! function's call; `pg-plain-new`'s baseline sends the bare insert). Two references have no layer on either side: `pg-tx-by-hand` sends the
 //! layer's transactional SQL by hand around `pg-tx`'s handler (what the layer adds beyond
 //! its SQL), `pg-tx-record-only` the same without the claim (no look, no lock, no placeholder,
 //! no savepoint: the completed record inserted with the commit; the ceiling of any design that

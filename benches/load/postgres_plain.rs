@@ -25,21 +25,21 @@ use crate::{BoxError, common};
 pub(crate) const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "pg-plain-new",
-        layer_side: "PostgresStore (ClaimStrategy::Combined, the default), new key per request",
+        layer_side: "PostgresStore (ClaimStrategy::Adaptive, the default), new key per request",
         baseline: "fingerprint + the store's INSERT … ON CONFLICT DO NOTHING RETURNING, then its \
                    COMPLETE UPDATE (by hand)",
         target: 0.95,
         build: |ctx| {
             Box::pin(build_pg_plain_new(
                 ctx,
-                (ClaimStrategy::Combined, false),
+                (ClaimStrategy::Adaptive, false),
                 HAND_CLAIM,
             ))
         },
     },
     Scenario {
         name: "pg-plain-new-same-sql",
-        layer_side: "as pg-plain-new (ClaimStrategy::Combined, the default)",
+        layer_side: "PostgresStore (ClaimStrategy::Combined), new key per request",
         baseline: "fingerprint + the store's Combined CLAIM (its read of the record, which calls \
                    the insert function for an absent key), then its COMPLETE UPDATE (by hand): \
                    the layer's own overhead over the SQL it sends",
@@ -60,7 +60,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         build: |ctx| {
             Box::pin(build_pg_plain_new(
                 ctx,
-                (ClaimStrategy::Combined, true),
+                (ClaimStrategy::Adaptive, true),
                 HAND_CLAIM,
             ))
         },
@@ -93,18 +93,25 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "pg-replay",
-        layer_side: "PostgresStore (ClaimStrategy::Combined, the default), completed keys \
+        layer_side: "PostgresStore (ClaimStrategy::Adaptive, the default), completed keys \
                      requested again",
         baseline: "fingerprint + the store's plain SELECT of the record (by hand)",
         target: 0.95,
-        build: |ctx| Box::pin(build_pg_replay(ctx, (ClaimStrategy::Combined, false))),
+        build: |ctx| Box::pin(build_pg_replay(ctx, (ClaimStrategy::Adaptive, false))),
     },
     Scenario {
         name: "pg-replay-prepared",
         layer_side: "as pg-replay, with_prepared_statements(true) (direct connections only)",
         baseline: "as pg-replay",
         target: 0.95,
-        build: |ctx| Box::pin(build_pg_replay(ctx, (ClaimStrategy::Combined, true))),
+        build: |ctx| Box::pin(build_pg_replay(ctx, (ClaimStrategy::Adaptive, true))),
+    },
+    Scenario {
+        name: "pg-replay-combined",
+        layer_side: "PostgresStore (ClaimStrategy::Combined), completed keys requested again",
+        baseline: "as pg-replay",
+        target: 0.95,
+        build: |ctx| Box::pin(build_pg_replay(ctx, (ClaimStrategy::Combined, false))),
     },
     Scenario {
         name: "pg-replay-read-first",
