@@ -37,6 +37,10 @@ const STORE_TIMEOUT: Duration = Duration::from_secs(2);
 /// store calls in a row that may each stall for the store timeout (the payments layer's and
 /// the provider's, nested), hence twice the timeout, plus time for a noisy machine.
 const BOUND_503: Duration = Duration::from_secs(2 * 2 + 3);
+/// The example's lease (`IDEMPOTENCY_LEASE_MS`): longer than a payment takes, and short enough
+/// that a payment the failover cut off frees its key soon (the default, 30 s, kept every such
+/// key's retries at `409` for most of the test's time).
+const LEASE: Duration = Duration::from_secs(3);
 /// Longer than any answer may take: a request still pending then hangs.
 const HANG: Duration = Duration::from_secs(30);
 /// Concurrent clients.
@@ -73,6 +77,9 @@ impl Example {
             )
             // Each charge takes a moment: more payments are in flight when the primary dies.
             .env("CHARGE_DELAY_MS", "20")
+            // A payment cut off by the failover holds its key until its lease runs out: its
+            // retries get `409` until then.
+            .env("IDEMPOTENCY_LEASE_MS", LEASE.as_millis().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())

@@ -73,7 +73,7 @@
 //! | `DATABASE_URL` | unset | unset: everything in memory. Set: Postgres store (migrated at start); payments and charges in phased mode, orders and webhooks in transactional mode; data in `example_*` tables, committed with the key |
 //! | `REDIS_URL` | unset | with `DATABASE_URL` unset: the idempotency keys in Redis ([`RedisStore`], plain mode; needs the `redis` feature), shared by every instance pointed at it; payments stay in memory. Refuses to start on a Redis whose `maxmemory-policy` evicts keys |
 //! | `IDEMPOTENCY_TTL_SECS` | `86400` | how long a key is remembered ([`IdempotencyLayer::with_ttl`]) |
-//! | `IDEMPOTENCY_LEASE_MS` | `30000` | how long a claim holds a key ([`IdempotencyLayer::with_lease`]); in memory only: in Postgres a claim lasts as long as its transaction |
+//! | `IDEMPOTENCY_LEASE_MS` | `30000` | how long a claim holds a key before another request may take it over ([`IdempotencyLayer::with_lease`]); renewed every third of it while the request runs |
 //! | `IDEMPOTENCY_STORE_TIMEOUT_MS` | `5000` | the longest one store call may take ([`IdempotencyLayer::with_store_timeout`]; in Postgres also the store's own `statement_timeout`): a store that does not answer in time is answered `503` with `Retry-After` |
 //! | `CHARGE_DELAY_MS` | `0` | how long the provider takes for each new charge |
 //! | `IDEMPOTENCY_WAIT_MS` | `0` | > 0: a duplicate of a request still running waits up to this long for its answer and gets it as a replay ([`IdempotencyLayer::with_wait_for_completion`]; in Postgres woken by `LISTEN/NOTIFY`, see [`PostgresStore::with_notifications`]); then `409` as with `0` |
