@@ -343,8 +343,14 @@ async fn run(cluster: &Cluster, store: RedisStore, keys: usize, kill_after: Dura
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_killed_mid_load_loses_only_unacknowledged_completions() {
+    // Two clusters of their own, started at once (each takes seconds to form and sync).
+    let (first, second) = tokio::join!(
+        tokio::task::spawn_blocking(Cluster::start),
+        tokio::task::spawn_blocking(Cluster::start)
+    );
+    let (cluster, second) = (first.unwrap(), second.unwrap());
+
     // Without WAIT: asynchronous replication may lose acknowledged completions.
-    let cluster = Cluster::start();
     let plain = cluster.store(&support::redis_support::prefix()).await;
     let without = run(&cluster, plain, 3000, Duration::from_millis(300)).await;
     drop(cluster);
@@ -361,7 +367,7 @@ async fn a_master_killed_mid_load_loses_only_unacknowledged_completions() {
     );
 
     // With WAIT 1: a completion counts only once the replica has it.
-    let cluster = Cluster::start();
+    let cluster = second;
     let waiting = cluster
         .store(&support::redis_support::prefix())
         .await
