@@ -298,7 +298,10 @@ ensure_pgbouncer >/dev/null
 # Most tests wait far more than they compute (leases and TTLs running out, a provider's delay,
 # a server restarting): eight at a time keep two cores busy. RUST_TEST_THREADS overrides it.
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-8}"
-cargo test --all-features --all-targets
+# The examples are built as the programs the end-to-end tests start (they hold no tests of
+# their own), then the tests and the benches' smoke runs.
+cargo build --all-features --examples
+cargo test --all-features --lib --bins --tests --benches
 cargo test --all-features --doc
 
 # The Postgres suites once more at each stricter default isolation level: many payment

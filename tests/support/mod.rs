@@ -646,18 +646,22 @@ fn build_example(name: &str, profile_dir: &std::path::Path) {
     if let Some(target_dir) = profile_dir.parent() {
         cargo.env("CARGO_TARGET_DIR", target_dir);
     }
+    // Exactly the features this test was built with (`default` included), so that the
+    // library the example links is the one the test build made, and `scripts/test.sh`'s
+    // `cargo build --all-features --examples` leaves nothing to build here.
     let mut features = vec!["postgres"];
-    if cfg!(feature = "axum") {
-        features.push("axum");
-    }
-    if cfg!(feature = "metrics") {
-        features.push("metrics");
-    }
-    if cfg!(feature = "json") {
-        features.push("json");
-    }
-    if cfg!(feature = "redis") {
-        features.push("redis");
+    for (on, feature) in [
+        (cfg!(feature = "default"), "default"),
+        (cfg!(feature = "json"), "json"),
+        (cfg!(feature = "axum"), "axum"),
+        (cfg!(feature = "testing"), "testing"),
+        (cfg!(feature = "metrics"), "metrics"),
+        (cfg!(feature = "redis"), "redis"),
+        (cfg!(feature = "fuzzing"), "fuzzing"),
+    ] {
+        if on {
+            features.push(feature);
+        }
     }
     cargo
         .arg("--no-default-features")
