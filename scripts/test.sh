@@ -301,24 +301,62 @@ export RUST_TEST_THREADS="${RUST_TEST_THREADS:-8}"
 # The examples are built as the programs the end-to-end tests start (they hold no tests of
 # their own), then the tests and the benches' smoke runs.
 cargo build --all-features --examples
-cargo test --all-features --lib --bins --tests --benches
+cargo test --all-features --lib --bins --tests --benches --no-run
+tests_started=$SECONDS
+took() { echo "scripts/test.sh: $1 took $((SECONDS - $2)) s" >&2; }
+# The suites that start servers of their own (Postgres clusters, a Redis cluster, processes to
+# kill) run beside the others: they mostly wait for those servers. Their output is shown when
+# they end.
+apart=(failover redis_failover redis database_crash consumer_e2e)
+together=()
+for file in tests/*.rs; do
+    name="$(basename "$file" .rs)"
+    [[ " ${apart[*]} " == *" $name "* ]] || together+=(--test "$name")
+done
+apart_log="$(mktemp "${TMPDIR:-/tmp}/tower-idempotency-apart.XXXXXX")"
+on_exit+=("rm -f '$apart_log'")
+cargo test --all-features "${apart[@]/#/--test=}" >"$apart_log" 2>&1 &
+apart_pid=$!
+cargo test --all-features --lib --bins --benches "${together[@]}"
+apart_failed=0
+wait "$apart_pid" || apart_failed=1
+cat "$apart_log"
+((apart_failed == 0)) || die "a suite with servers of its own failed (its output is above)"
 cargo test --all-features --doc
+took "the tests and the benches' smoke runs" "$tests_started"
 
 # The Postgres suites once more at each stricter default isolation level: many payment
 # services set default_transaction_isolation to 'repeatable read' or 'serializable' (on the
 # role, the database or the connection), and the layer must keep its promise at each.
 # (tests/isolation.rs covers all three levels by itself.)
-for level in "repeatable read" "serializable"; do
-    echo "scripts/test.sh: the Postgres suites again at default_transaction_isolation = $level" >&2
+levels_started=$SECONDS
+# The two levels run at once, each with half the test threads: the suites mostly wait, and
+# one level's slowest tests overlap the other's. Each level's output is shown when it ends.
+run_level() {
     # The behaviour suite's Postgres stores only: its memory and Redis stores do not read the
     # database's isolation level.
-    TI_ISOLATION="$level" cargo test --all-features --test behaviour -- postgres
-    TI_ISOLATION="$level" cargo test --all-features \
-        --test transactional --test postgres --test inbox --test model \
-        --test cancellation --test round_trips --test payments_e2e --test scope --test consumer --test inbox_daily \
-        --test connection_loss --test stalls --test wait --test phased --test jetstream_e2e \
-        --test migrations
+    TI_ISOLATION="$1" cargo test --all-features --test behaviour -- postgres &&
+        TI_ISOLATION="$1" cargo test --all-features \
+            --test transactional --test postgres --test inbox --test model \
+            --test cancellation --test round_trips --test payments_e2e --test scope --test consumer --test inbox_daily \
+            --test connection_loss --test stalls --test wait --test phased --test jetstream_e2e \
+            --test migrations
+}
+levels_log="$(mktemp -d "${TMPDIR:-/tmp}/tower-idempotency-levels.XXXXXX")"
+on_exit+=("rm -rf '$levels_log'")
+pids=()
+for level in "repeatable read" "serializable"; do
+    echo "scripts/test.sh: the Postgres suites again at default_transaction_isolation = $level" >&2
+    RUST_TEST_THREADS=$(( (RUST_TEST_THREADS + 1) / 2 )) run_level "$level" >"$levels_log/${level// /_}.log" 2>&1 &
+    pids+=($!)
 done
+failed=0
+for i in 0 1; do
+    wait "${pids[i]}" || failed=1
+done
+cat "$levels_log"/*.log
+((failed == 0)) || die "a Postgres suite failed at a stricter isolation level (its output is above)"
+took "the Postgres suites at the two stricter levels" "$levels_started"
 
 # The behaviour suite's Postgres stores, the example's end-to-end tests and the pooler's own
 # tests once more, through a PgBouncer in transaction pooling mode: many deployments put one between the
@@ -398,6 +436,9 @@ if [[ -z "${TI_PGBOUNCER_URL:-}" ]]; then
 fi
 export TI_PGBOUNCER_URL
 echo "scripts/test.sh: the behaviour suite's Postgres stores, the example's end-to-end tests and tests/pooler.rs through PgBouncer at $TI_PGBOUNCER_URL" >&2
+pooler_started=$SECONDS
 cargo test --all-features --test behaviour -- postgres
 cargo test --all-features --test payments_e2e
 cargo test --all-features --test pooler -- --include-ignored
+took "the runs through PgBouncer" "$pooler_started"
+took "every test run" "$tests_started"
