@@ -317,6 +317,8 @@ apart_log="$(mktemp "${TMPDIR:-/tmp}/tower-idempotency-apart.XXXXXX")"
 on_exit+=("rm -f '$apart_log'")
 cargo test --all-features "${apart[@]/#/--test=}" >"$apart_log" 2>&1 &
 apart_pid=$!
+# Stopped with the script, should it stop first (a failure, an interrupt).
+on_exit+=("pkill -TERM -P $apart_pid 2>/dev/null; kill $apart_pid 2>/dev/null")
 cargo test --all-features --lib --bins --benches "${together[@]}"
 apart_failed=0
 wait "$apart_pid" || apart_failed=1
@@ -349,6 +351,7 @@ for level in "repeatable read" "serializable"; do
     echo "scripts/test.sh: the Postgres suites again at default_transaction_isolation = $level" >&2
     RUST_TEST_THREADS=$(( (RUST_TEST_THREADS + 1) / 2 )) run_level "$level" >"$levels_log/${level// /_}.log" 2>&1 &
     pids+=($!)
+    on_exit+=("pkill -TERM -P $! 2>/dev/null; kill $! 2>/dev/null")
 done
 failed=0
 for i in 0 1; do
