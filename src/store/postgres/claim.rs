@@ -102,15 +102,14 @@ impl PostgresStore {
             ClaimStrategy::ReadFirst => self.read_first(req).await?,
             ClaimStrategy::InsertFirst => self.insert_first(req).await?,
             ClaimStrategy::Adaptive => {
-                let (decision, found) = if self.workload.reads_first() {
-                    let decision = self.read_first(req).await?;
-                    let found = !matches!(decision, Decision::Done(ClaimOutcome::Acquired { .. }));
-                    (decision, found)
+                let decision = if self.workload.reads_first() {
+                    self.read_first(req).await?
                 } else {
-                    let decision = self.insert_first(req).await?;
-                    let found = !matches!(decision, Decision::Done(ClaimOutcome::Acquired { .. }));
-                    (decision, found)
+                    self.insert_first(req).await?
                 };
+                // Any claim but a fresh insert met a record: a replay, a key in flight or
+                // reused, one to take over, or one a concurrent claim inserted first.
+                let found = !matches!(decision, Decision::Done(ClaimOutcome::Acquired { .. }));
                 self.workload.record(found);
                 decision
             }
