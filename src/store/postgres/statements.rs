@@ -287,3 +287,37 @@ DELETE FROM tower_idempotency_keys
         ORDER BY expires_at
         LIMIT $1
           FOR UPDATE SKIP LOCKED))";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_bare_statement_sits_at_its_id_and_names_the_stores_objects_with_its_schema() {
+        for (i, bare) in BARE.iter().enumerate() {
+            assert_eq!(bare.id, i, "{}", bare.text);
+            // As many parameter types as the text has placeholders.
+            let highest = (1..=9)
+                .rev()
+                .find(|n| bare.text.contains(&format!("${n}")))
+                .unwrap_or(0);
+            assert_eq!(bare.params.len(), highest, "{}", bare.text);
+            assert!(!bare.text.contains("search_path"), "{}", bare.text);
+            for (at, _) in bare.text.match_indices("tower_idempotency_") {
+                assert!(
+                    bare.text[..at].ends_with("{s}."),
+                    "an object of the store named without its schema: {}",
+                    &bare.text[at..]
+                );
+            }
+        }
+        let rendered = Rendered::new("\"a schema\"");
+        let (text, name) = rendered.get(&READ).unwrap();
+        assert!(
+            text.contains("FROM \"a schema\".tower_idempotency_keys"),
+            "{text}"
+        );
+        assert_eq!(name, prepared_name(text, READ.params));
+        assert_ne!(name, Rendered::new("other").get(&READ).unwrap().1);
+    }
+}
