@@ -23,19 +23,32 @@ impl PostgresStore {
 
     /// The token of a fresh claim, or `None` when the key exists.
     pub(super) async fn insert(&self, req: &ClaimRequest<'_>) -> Result<Option<i64>, StoreError> {
-        let mut args = claim_args(req, self.lock_timeout);
         if !self.prepared {
-            // `$6`: the token instead of the lock timeout, which the message's settings carry.
-            args[5] = Lit::Int(unrepeatable_token()?);
-            return match self.run_named(&INSERT, &args).await?.first() {
-                Some(row) => Ok(Some(row.try_get("inserted")?)),
-                None => Ok(None),
-            };
+            return self.insert_named(req, &INSERT).await;
         }
-        match self.rows(INSERT_CALL, &args).await?.first() {
+        match self
+            .rows(INSERT_CALL, &claim_args(req, self.lock_timeout))
+            .await?
+            .first()
+        {
             Some(row) => Ok(row.try_get("inserted")?),
             None => Err(StoreError::Corrupt("the insert returned no row".into())),
         }
+    }
+
+    /// `insert` ([`INSERT`] or [`LEASE_INSERT`]) with a token no crash can hand out twice
+    /// ([`unrepeatable_token`]): the token, or `None` when the key exists.
+    async fn insert_named(
+        &self,
+        req: &ClaimRequest<'_>,
+        insert: &Bare,
+    ) -> Result<Option<i64>, StoreError> {
+        let token = unrepeatable_token()?;
+        let mut args = claim_args(req, self.lock_timeout);
+        // `$6`: the token instead of the lock timeout, which the message's settings carry.
+        args[5] = Lit::Int(token);
+        let inserted = !self.run_named(insert, &args).await?.is_empty();
+        Ok(inserted.then_some(token))
     }
 
     /// Runs a statement that acts on a claimed key (complete, release, renew) and returns the
@@ -48,20 +61,15 @@ impl PostgresStore {
         template: &'static str,
         args: &[Lit<'_>],
     ) -> Result<u64, StoreError> {
-        let mut attempts = 1;
-        loop {
-            match self.rows(template, args).await {
-                Ok(rows) => {
-                    let changed = match rows.first() {
-                        Some(row) => row.try_get::<i64, _>("changed")?,
-                        None => 0,
-                    };
-                    return Ok(changed.unsigned_abs());
-                }
-                Err(e) if lost_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
-                Err(e) => return Err(e),
-            }
-        }
+        changed_on_retry(|| async move {
+            let rows = self.rows(template, args).await?;
+            let changed = match rows.first() {
+                Some(row) => row.try_get::<i64, _>("changed")?,
+                None => 0,
+            };
+            Ok(changed.unsigned_abs())
+        })
+        .await
     }
 
     /// [`execute_token_statement`](Self::execute_token_statement) for a [`Bare`] statement,
@@ -71,14 +79,11 @@ impl PostgresStore {
         bare: &Bare,
         args: &[Lit<'_>],
     ) -> Result<u64, StoreError> {
-        let mut attempts = 1;
-        loop {
-            match self.run_named(bare, args).await {
-                Ok(rows) => return Ok(u64::try_from(rows.len()).unwrap_or(u64::MAX)),
-                Err(e) if lost_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
-                Err(e) => return Err(e),
-            }
-        }
+        changed_on_retry(|| async move {
+            let rows = self.run_named(bare, args).await?;
+            Ok(u64::try_from(rows.len()).unwrap_or(u64::MAX))
+        })
+        .await
     }
 
     /// One attempt of the claim's first step, as the strategy sends it.
@@ -154,18 +159,29 @@ impl PostgresStore {
         &self,
         req: ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, StoreError> {
-        let token = unrepeatable_token()?;
-        let mut args = claim_args(&req, self.lock_timeout);
-        // `$6`: the token instead of the lock timeout, which the message's settings carry.
-        args[5] = Lit::Int(token);
-        match self.run_named(&LEASE_INSERT, &args).await {
-            Ok(rows) if !rows.is_empty() => return Ok(acquired(token, false)),
+        match self.insert_named(&req, &LEASE_INSERT).await {
+            Ok(Some(token)) => Ok(acquired(token, false)),
             // The key has a record: replay, refuse or take it over as any claim does.
-            Ok(_) => {}
-            Err(e) if waited_for_lock(&e) => return Ok(held_elsewhere()),
-            Err(e) => return Err(e),
+            Ok(None) => self.claim(req).await,
+            Err(e) if waited_for_lock(&e) => Ok(held_elsewhere()),
+            Err(e) => Err(e),
         }
-        self.claim(req).await
+    }
+}
+
+/// Runs `statement` (the rows it changed), again after a lost serialization race, up to
+/// [`CLAIM_ATTEMPTS`] times in all.
+async fn changed_on_retry<F, Fut>(mut statement: F) -> Result<u64, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<u64, StoreError>>,
+{
+    let mut attempts = 1;
+    loop {
+        match statement().await {
+            Err(e) if lost_race(&e) && attempts < CLAIM_ATTEMPTS => attempts += 1,
+            other => return other,
+        }
     }
 }
 
