@@ -24,6 +24,10 @@ trait Fixture: Sized {
     fn store(&self) -> Self::Store;
     /// The same records, reached as another app instance would (a second pool).
     fn second_instance(&self) -> impl Future<Output = Self::Store>;
+    /// Lets `d` of the store's time pass: the memory store's clock is Tokio's, paused in its
+    /// timed tests, so the wait ends at once; the Postgres fixtures move the database's clock
+    /// hook; Redis keeps the server's own clock, so its fixture waits for real.
+    fn pass(&self, d: Duration) -> impl Future<Output = ()>;
     fn cleanup(self) -> impl Future<Output = ()>;
 }
 
@@ -40,6 +44,9 @@ impl Fixture for Memory {
     async fn second_instance(&self) -> MemoryStore {
         self.0.clone()
     }
+    async fn pass(&self, d: Duration) {
+        tokio::time::sleep(d).await;
+    }
     async fn cleanup(self) {}
 }
 
@@ -53,6 +60,7 @@ impl Postgres {
     async fn with(strategy: ClaimStrategy) -> Self {
         let schema = PgSchema::new().await;
         let store = schema.store().await.with_claim_strategy(strategy);
+        schema.controlled_clock().await;
         Postgres {
             schema,
             store,
@@ -70,6 +78,7 @@ impl Postgres {
             .with_prepared_statements(true)
             .with_claim_strategy(ClaimStrategy::Combined);
         store.migrate().await.unwrap();
+        schema.controlled_clock().await;
         Postgres {
             schema,
             store,
@@ -100,6 +109,9 @@ impl Fixture for Postgres {
         // A second instance runs migrate() at start too; it must be a no-op.
         store.migrate().await.unwrap();
         store
+    }
+    async fn pass(&self, d: Duration) {
+        self.schema.advance_clock(d).await;
     }
     async fn cleanup(self) {
         self.store.pool().close().await;
@@ -149,6 +161,9 @@ impl Fixture for Redis {
             // Connected lazily, as an app instance starting up would be.
             support::redis_support::store(&self.prefix)
         }
+    }
+    async fn pass(&self, d: Duration) {
+        tokio::time::sleep(d).await;
     }
     async fn cleanup(self) {}
 }
@@ -594,7 +609,7 @@ async fn expired_keys_count_as_new<F: Fixture>(fx: &F) {
     );
     assert_eq!(app(req("POST", "/pay", Some("k"), "1")).await.status, 201);
     assert!(app(req("POST", "/pay", Some("k"), "1")).await.replayed());
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    fx.pass(Duration::from_millis(900)).await;
     // Even with another payload: the old record no longer exists.
     let fresh = app(req("POST", "/pay", Some("k"), "2")).await;
     assert_eq!(fresh.status, 201);
@@ -637,7 +652,7 @@ async fn lease_runs_out_after_a_crash_and_the_key_is_taken_over<F: Fixture>(fx: 
     app(req("POST", "/pay", Some("k"), "other"))
         .await
         .assert_problem(422, "key-reused");
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    fx.pass(Duration::from_millis(700)).await;
     let retry = app(req("POST", "/pay", Some("k"), "b")).await;
     assert_eq!(retry.status, 201, "{}", retry.text());
     assert_eq!(calls.get("/pay"), 1);
@@ -662,7 +677,7 @@ async fn stale_owner_cannot_complete_after_takeover<F: Fixture>(fx: &F) {
     else {
         panic!()
     };
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    fx.pass(Duration::from_millis(450)).await;
     let ClaimOutcome::Acquired { token: b, takeover } =
         store.claim(claim_of(&key, b"b", lease)).await.unwrap()
     else {
@@ -771,7 +786,7 @@ async fn ttl_shorter_than_the_lease_keeps_a_running_key<F: Fixture>(fx: &F) {
     let ClaimOutcome::Acquired { token, .. } = store.claim(claim).await.unwrap() else {
         panic!()
     };
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    fx.pass(Duration::from_millis(400)).await;
     // Past the TTL, within the lease: the key is still held, for any payload.
     assert!(matches!(
         store.claim(claim).await.unwrap(),
@@ -791,7 +806,7 @@ async fn ttl_shorter_than_the_lease_keeps_a_running_key<F: Fixture>(fx: &F) {
             .await
             .unwrap()
     );
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    fx.pass(Duration::from_millis(600)).await;
     assert!(matches!(
         store.claim(claim).await.unwrap(),
         ClaimOutcome::InFlight { .. }
@@ -843,7 +858,7 @@ async fn completed_record_lives_the_ttl_from_its_completion<F: Fixture>(fx: &F) 
     let ClaimOutcome::Acquired { token, .. } = store.claim(claim).await.unwrap() else {
         panic!()
     };
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    fx.pass(Duration::from_millis(500)).await;
     let answer = StoredResponse::new(StatusCode::OK, http::HeaderMap::new(), Bytes::from("done"));
     assert!(
         store
@@ -852,13 +867,13 @@ async fn completed_record_lives_the_ttl_from_its_completion<F: Fixture>(fx: &F) 
             .unwrap()
     );
     // 800 ms after the claim (past its TTL), 300 ms after the completion: still there.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    fx.pass(Duration::from_millis(300)).await;
     assert_eq!(
         store.claim(claim).await.unwrap(),
         ClaimOutcome::Completed(answer)
     );
     // 800 ms after the completion: gone (and not kept for the claim's 5 s lease either).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    fx.pass(Duration::from_millis(500)).await;
     assert!(matches!(
         store
             .claim(claim_of(&key, b"other", claim.lease))
@@ -881,9 +896,9 @@ async fn owner_completes_a_lapsed_claim_that_nobody_took_over<F: Fixture>(fx: &F
     };
     // The owner stalls past its lease and the record's expiry; nobody claims the key
     // meanwhile, so its token still holds the record: it can renew and complete.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    fx.pass(Duration::from_millis(400)).await;
     assert!(store.renew("", &key, token, claim.lease).await.unwrap());
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    fx.pass(Duration::from_millis(400)).await;
     let answer = StoredResponse::new(StatusCode::OK, http::HeaderMap::new(), Bytes::from("late"));
     let ttl = Duration::from_secs(60);
     assert!(store.complete("", &key, token, &answer, ttl).await.unwrap());
@@ -1111,7 +1126,7 @@ async fn purge_deletes_expired_records_in_batches<F: Fixture>(fx: &F) {
         .claim(claim_of(&keep, b"", Duration::from_secs(5)))
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    fx.pass(Duration::from_millis(400)).await;
     assert_eq!(store.purge_expired(3).await.unwrap(), 7);
     assert_eq!(store.purge_expired(3).await.unwrap(), 0);
     assert!(matches!(
@@ -1137,127 +1152,103 @@ async fn wait_for(mut cond: impl FnMut() -> bool) {
 // ---------------------------------------------------------------------------------------------
 // The suite, once per store.
 
+/// One test per behaviour for one fixture, each under the runtime `$runtime` names.
+macro_rules! cases {
+    ($runtime:meta, $fixture:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[$runtime]
+            async fn $name() {
+                use super::Fixture;
+                let fx = $fixture;
+                super::$name(&fx).await;
+                fx.cleanup().await;
+            }
+        )*
+    };
+}
+
+/// Each behaviour once per store. The memory store runs its `timed` behaviours on Tokio's
+/// paused clock (its own clock): their leases, TTLs and sleeps pass at once and exactly. The
+/// others run on two worker threads, so that racing requests really race.
 macro_rules! suite {
-    ($($name:ident),* $(,)?) => {
+    (untimed: [$($name:ident),* $(,)?], timed: [$($timed:ident),* $(,)?] $(,)?) => {
         mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    use super::Fixture;
-                    let fx = super::Memory::new().await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
+            cases!(tokio::test(flavor = "multi_thread", worker_threads = 2),
+                super::Memory::new().await; $($name),*);
+            cases!(tokio::test(start_paused = true), super::Memory::new().await; $($timed),*);
         }
         mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    use super::Fixture;
-                    let fx = super::Postgres::new().await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
+            cases!(tokio::test(flavor = "multi_thread", worker_threads = 2),
+                super::Postgres::new().await; $($name,)* $($timed),*);
         }
         mod postgres_read_first {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    use super::Fixture;
-                    let fx = super::Postgres::with(super::ClaimStrategy::ReadFirst).await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
+            cases!(tokio::test(flavor = "multi_thread", worker_threads = 2),
+                super::Postgres::with(super::ClaimStrategy::ReadFirst).await;
+                $($name,)* $($timed),*);
         }
         mod postgres_prepared {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    use super::Fixture;
-                    let fx = super::Postgres::prepared().await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
+            cases!(tokio::test(flavor = "multi_thread", worker_threads = 2),
+                super::Postgres::prepared().await; $($name,)* $($timed),*);
         }
         #[cfg(feature = "redis")]
         mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    use super::Fixture;
-                    let fx = super::Redis::on(false).await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
+            cases!(tokio::test(flavor = "multi_thread", worker_threads = 2),
+                super::Redis::on(false).await; $($name,)* $($timed),*);
         }
         #[cfg(feature = "redis")]
         mod redis_cluster {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    use super::Fixture;
-                    let fx = super::Redis::on(true).await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
+            cases!(tokio::test(flavor = "multi_thread", worker_threads = 2),
+                super::Redis::on(true).await; $($name,)* $($timed),*);
         }
         mod postgres_insert_first {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    use super::Fixture;
-                    let fx = super::Postgres::with(super::ClaimStrategy::InsertFirst).await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
+            cases!(tokio::test(flavor = "multi_thread", worker_threads = 2),
+                super::Postgres::with(super::ClaimStrategy::InsertFirst).await;
+                $($name,)* $($timed),*);
         }
     };
 }
 
 suite!(
-    first_request_runs_and_repeat_replays_byte_for_byte,
-    the_live_answer_keeps_every_header_it_stores,
-    set_cookie_is_replayed_when_configured,
-    quoted_and_bare_keys_are_the_same_key,
-    missing_key_is_400_and_optional_key_passes_through,
-    malformed_keys_are_400,
-    different_payload_is_422_and_keeps_the_stored_answer,
-    fingerprint_headers_are_part_of_the_request,
-    concurrent_repeat_is_409_with_retry_after,
-    server_errors_release_the_key,
-    client_errors_are_stored,
-    trailers_are_stored_and_replayed,
-    a_response_body_limit_of_zero_keeps_status_and_headers_only,
-    settings_that_would_turn_the_layer_off_are_refused,
-    rate_limited_and_timed_out_answers_are_not_stored,
-    with_store_when_decides_which_answers_are_stored,
-    handler_panic_releases_the_key,
-    service_error_releases_the_key,
-    dropped_request_releases_the_key,
-    oversized_request_body_is_413_and_stores_nothing,
-    uncovered_methods_pass_through,
-    keys_are_scoped,
-    expired_keys_count_as_new,
-    lease_runs_out_after_a_crash_and_the_key_is_taken_over,
-    stale_owner_cannot_complete_after_takeover,
-    lease_renewal_keeps_a_slow_handler_from_being_taken_over,
-    slow_handler_outliving_the_ttl_runs_once_and_is_replayed,
-    ttl_shorter_than_the_lease_keeps_a_running_key,
-    renewals_keep_a_key_whose_ttl_is_shorter_than_the_lease,
-    completed_record_lives_the_ttl_from_its_completion,
-    owner_completes_a_lapsed_claim_that_nobody_took_over,
-    fifty_concurrent_requests_run_the_handler_once,
-    oversized_response_reaches_the_client_and_is_never_rerun,
-    handler_sees_the_key,
-    custom_header_names_the_key,
-    key_from_a_function,
-    rejections_can_be_rendered_differently,
-    purge_deletes_expired_records_in_batches,
+    untimed: [
+        first_request_runs_and_repeat_replays_byte_for_byte,
+        the_live_answer_keeps_every_header_it_stores,
+        set_cookie_is_replayed_when_configured,
+        quoted_and_bare_keys_are_the_same_key,
+        missing_key_is_400_and_optional_key_passes_through,
+        malformed_keys_are_400,
+        different_payload_is_422_and_keeps_the_stored_answer,
+        fingerprint_headers_are_part_of_the_request,
+        concurrent_repeat_is_409_with_retry_after,
+        server_errors_release_the_key,
+        client_errors_are_stored,
+        trailers_are_stored_and_replayed,
+        a_response_body_limit_of_zero_keeps_status_and_headers_only,
+        settings_that_would_turn_the_layer_off_are_refused,
+        rate_limited_and_timed_out_answers_are_not_stored,
+        with_store_when_decides_which_answers_are_stored,
+        handler_panic_releases_the_key,
+        service_error_releases_the_key,
+        dropped_request_releases_the_key,
+        oversized_request_body_is_413_and_stores_nothing,
+        uncovered_methods_pass_through,
+        keys_are_scoped,
+        fifty_concurrent_requests_run_the_handler_once,
+        oversized_response_reaches_the_client_and_is_never_rerun,
+        handler_sees_the_key,
+        custom_header_names_the_key,
+        key_from_a_function,
+        rejections_can_be_rendered_differently,
+    ],
+    timed: [
+        expired_keys_count_as_new,
+        lease_runs_out_after_a_crash_and_the_key_is_taken_over,
+        stale_owner_cannot_complete_after_takeover,
+        lease_renewal_keeps_a_slow_handler_from_being_taken_over,
+        slow_handler_outliving_the_ttl_runs_once_and_is_replayed,
+        ttl_shorter_than_the_lease_keeps_a_running_key,
+        renewals_keep_a_key_whose_ttl_is_shorter_than_the_lease,
+        completed_record_lives_the_ttl_from_its_completion,
+        owner_completes_a_lapsed_claim_that_nobody_took_over,
+        purge_deletes_expired_records_in_batches,
+    ],
 );

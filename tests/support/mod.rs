@@ -178,6 +178,38 @@ impl PgSchema {
         store
     }
 
+    /// Puts the schema's records on a clock the test moves: the store's clock hook,
+    /// `tower_idempotency_now()`, becomes the server's time plus an offset that
+    /// [`advance_clock`](Self::advance_clock) adds to. Call it after `migrate()`. Time still
+    /// runs, so a test's leases and renewals in real time keep working beside the jumps.
+    pub async fn controlled_clock(&self) {
+        let s = &self.name;
+        admin_exec(
+            &self.admin,
+            format!(
+                "CREATE TABLE {s}.ti_clock_offset (d interval NOT NULL);
+                 INSERT INTO {s}.ti_clock_offset VALUES (interval '0');
+                 CREATE OR REPLACE FUNCTION {s}.tower_idempotency_now() RETURNS timestamptz
+                     LANGUAGE sql STABLE PARALLEL SAFE
+                     AS $$ SELECT pg_catalog.now() + (SELECT d FROM {s}.ti_clock_offset) $$"
+            ),
+        )
+        .await;
+    }
+
+    /// Moves the clock of [`controlled_clock`](Self::controlled_clock) `by` ahead, at once.
+    pub async fn advance_clock(&self, by: Duration) {
+        let micros = i64::try_from(by.as_micros()).unwrap();
+        admin_exec(
+            &self.admin,
+            format!(
+                "UPDATE {}.ti_clock_offset SET d = d + interval '{micros} microseconds'",
+                self.name
+            ),
+        )
+        .await;
+    }
+
     pub async fn drop_schema(mut self) {
         match self.role.take() {
             None => {
