@@ -399,59 +399,6 @@ impl RedisStore {
         self.bounded(invocation.invoke_async(&mut conn)).await
     }
 
-    /// Waits until the replicas of `server` (the replication ID of the master that stored
-    /// the completion, as its script named it) have the completion of `record`, when asked
-    /// to ([`with_wait_replicas`](Self::with_wait_replicas)); concurrent completions share
-    /// their rounds (see `replicate.rs`).
-    async fn wait_replicas(&self, server: &str, record: &str) -> Result<(), StoreError> {
-        let Some(replication) = &self.wait else {
-            return Ok(());
-        };
-        replication
-            .acknowledged(server, || async {
-                // One pipeline, so one connection: the mark (a write, which tells the
-                // replication ID it ran under), then WAIT, which counts the replicas that
-                // acknowledged that connection's writes, the mark's included. The mark's key
-                // shares the record's hash tag: in a cluster, the round reaches the master of
-                // the record's slot.
-                let stem = record.strip_suffix(":r").unwrap_or(record);
-                let mut pipe = ::redis::pipe();
-                pipe.cmd("EVAL")
-                    .arg(&self.scripts.mark)
-                    .arg(1)
-                    .arg(format!("{stem}:w"))
-                    .cmd("WAIT")
-                    .arg(replication.replicas)
-                    .arg(millis(replication.timeout));
-                let mut conn = self.conn.clone();
-                let (history, acked): (String, i64) = self
-                    .bounded(async {
-                        match &mut conn {
-                            Conn::Single(c) => pipe.query_async(c).await,
-                            Conn::Cluster(c) => {
-                                let route = ::redis::cluster_routing::Route::new(
-                                    slot(record),
-                                    ::redis::cluster_routing::SlotAddr::Master,
-                                );
-                                let replies = c
-                                    .route_pipeline(
-                                        pipe,
-                                        0,
-                                        2,
-                                        SingleNodeRoutingInfo::SpecificNode(route),
-                                    )
-                                    .await?;
-                                ::redis::from_redis_value(Value::Array(replies))
-                                    .map_err(RedisError::from)
-                            }
-                        }
-                    })
-                    .await?;
-                Ok((acked, history))
-            })
-            .await
-    }
-
     /// The addresses of the masters to scan: the server itself, or each master of the
     /// cluster.
     async fn masters(&self) -> Result<Vec<Option<(String, u16)>>, StoreError> {
