@@ -733,21 +733,24 @@ async fn stale_owner_cannot_complete_after_takeover<F: Fixture>(fx: &F) {
 
 async fn lease_renewal_keeps_a_slow_handler_from_being_taken_over<F: Fixture>(fx: &F) {
     let calls = Calls::default();
+    // Renewed every 200 ms: the lease outlives a renewal that is late by 400 ms.
     let app = build(
-        layer(fx.store()).with_lease(Duration::from_millis(300)),
+        layer(fx.store()).with_lease(Duration::from_millis(600)),
         &calls,
     );
-    let first = tokio::spawn(app(req("POST", "/slow?ms=1500", Some("k"), "b")));
-    wait_for(|| calls.get("/slow") == 1).await;
-    // Well past the lease: the renewals must have kept it.
+    let first = tokio::spawn(app(req("POST", "/hold", Some("k"), "b")));
+    wait_for(|| calls.get("/hold") == 1).await;
+    // Well past the lease (2.7 of them), the handler still held: the renewals must have kept
+    // the key.
     for _ in 0..4 {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        app(req("POST", "/slow?ms=1500", Some("k"), "b"))
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        app(req("POST", "/hold", Some("k"), "b"))
             .await
             .assert_problem(409, "request-in-progress");
     }
+    calls.release();
     assert_eq!(first.await.unwrap().status, 201);
-    assert_eq!(calls.get("/slow"), 1);
+    assert_eq!(calls.get("/hold"), 1);
 }
 
 async fn slow_handler_outliving_the_ttl_runs_once_and_is_replayed<F: Fixture>(fx: &F) {
@@ -760,22 +763,23 @@ async fn slow_handler_outliving_the_ttl_runs_once_and_is_replayed<F: Fixture>(fx
             .unwrap(),
         &calls,
     );
-    let first = tokio::spawn(app(req("POST", "/slow?ms=2000", Some("k"), "b")));
-    wait_for(|| calls.get("/slow") == 1).await;
-    // Past the TTL (at about 650 and 1300 ms), well before the handler's end.
+    let first = tokio::spawn(app(req("POST", "/hold", Some("k"), "b")));
+    wait_for(|| calls.get("/hold") == 1).await;
+    // Past the TTL (at about 650 and 1300 ms), the handler still held.
     for _ in 0..2 {
         tokio::time::sleep(Duration::from_millis(650)).await;
-        app(req("POST", "/slow?ms=2000", Some("k"), "b"))
+        app(req("POST", "/hold", Some("k"), "b"))
             .await
             .assert_problem(409, "request-in-progress");
     }
+    calls.release();
     let first = first.await.unwrap();
     assert_eq!(first.status, 201);
     // The answer is stored before it is returned; it lives the TTL from then.
-    let retry = app(req("POST", "/slow?ms=2000", Some("k"), "b")).await;
+    let retry = app(req("POST", "/hold", Some("k"), "b")).await;
     assert!(retry.replayed(), "{} {}", retry.status, retry.text());
     assert_eq!(retry.body, first.body);
-    assert_eq!(calls.get("/slow"), 1, "handler ran once");
+    assert_eq!(calls.get("/hold"), 1, "handler ran once");
 }
 
 async fn ttl_shorter_than_the_lease_keeps_a_running_key<F: Fixture>(fx: &F) {
@@ -832,22 +836,19 @@ async fn renewals_keep_a_key_whose_ttl_is_shorter_than_the_lease<F: Fixture>(fx:
             .unwrap(),
         &calls,
     );
-    let first = tokio::spawn(app(req("POST", "/slow?ms=2400", Some("k"), "b")));
-    wait_for(|| calls.get("/slow") == 1).await;
-    // Past the TTL and the first lease, well before the handler's end.
+    let first = tokio::spawn(app(req("POST", "/hold", Some("k"), "b")));
+    wait_for(|| calls.get("/hold") == 1).await;
+    // Past the TTL and the first lease, the handler still held.
     for _ in 0..4 {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        app(req("POST", "/slow?ms=2400", Some("k"), "b"))
+        app(req("POST", "/hold", Some("k"), "b"))
             .await
             .assert_problem(409, "request-in-progress");
     }
+    calls.release();
     assert_eq!(first.await.unwrap().status, 201);
-    assert!(
-        app(req("POST", "/slow?ms=2400", Some("k"), "b"))
-            .await
-            .replayed()
-    );
-    assert_eq!(calls.get("/slow"), 1);
+    assert!(app(req("POST", "/hold", Some("k"), "b")).await.replayed());
+    assert_eq!(calls.get("/hold"), 1);
 }
 
 async fn completed_record_lives_the_ttl_from_its_completion<F: Fixture>(fx: &F) {

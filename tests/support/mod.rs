@@ -320,9 +320,21 @@ pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Er
 
 /// Counts how often the handler really ran, per path.
 #[derive(Clone, Default)]
-pub struct Calls(Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>);
+pub struct Calls(
+    Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
+    Arc<tokio::sync::watch::Sender<bool>>,
+);
 
 impl Calls {
+    /// Lets every call of `/hold`, running or to come, answer.
+    pub fn release(&self) {
+        self.1.send_replace(true);
+    }
+    /// Waits until [`release`](Self::release).
+    async fn held(&self) {
+        let mut released = self.1.subscribe();
+        let _ = released.wait_for(|r| *r).await;
+    }
     pub fn get(&self, path: &str) -> usize {
         self.0.lock().unwrap().get(path).copied().unwrap_or(0)
     }
@@ -362,6 +374,7 @@ impl http_body::Body for WithTrailers {
 /// The test handler. What it does depends on the path:
 ///
 /// - `/slow?ms=N`: sleeps N ms, then answers like `/ok`;
+/// - `/hold`: waits until the test calls [`Calls::release`], then answers like `/ok`;
 /// - `/fail`: `500`; `/bad`: `400`; `/panic`: panics; `/error`: a service error;
 /// - `/limited`, `/timeout`: `429`, `408` on their first call, then like anything else;
 /// - `/big?n=N`: `200` with N bytes, streamed in 1 KiB chunks;
@@ -409,6 +422,7 @@ pub fn handler(
             };
             match path.as_str() {
                 "/slow" => tokio::time::sleep(Duration::from_millis(num("ms"))).await,
+                "/hold" => calls.held().await,
                 "/fail" => return Ok(full(StatusCode::INTERNAL_SERVER_ERROR, "boom".into())),
                 "/bad" => return Ok(full(StatusCode::BAD_REQUEST, format!("bad #{n}"))),
                 "/limited" if n == 1 => {
