@@ -26,7 +26,8 @@ trait Fixture: Sized {
     fn second_instance(&self) -> impl Future<Output = Self::Store>;
     /// Lets `d` of the store's time pass: the memory store's clock is Tokio's, paused in its
     /// timed tests, so the wait ends at once; the Postgres fixtures move the database's clock
-    /// hook; Redis keeps the server's own clock, so its fixture waits for real.
+    /// hook, which stands still otherwise; Redis keeps the server's own clock, so its fixture
+    /// waits for real.
     fn pass(&self, d: Duration) -> impl Future<Output = ()>;
     fn cleanup(self) -> impl Future<Output = ()>;
 }
@@ -733,17 +734,19 @@ async fn stale_owner_cannot_complete_after_takeover<F: Fixture>(fx: &F) {
 
 async fn lease_renewal_keeps_a_slow_handler_from_being_taken_over<F: Fixture>(fx: &F) {
     let calls = Calls::default();
-    // Renewed every 200 ms: the lease outlives a renewal that is late by 400 ms.
+    // Renewed every 200 ms of Tokio's time.
     let app = build(
         layer(fx.store()).with_lease(Duration::from_millis(600)),
         &calls,
     );
     let first = tokio::spawn(app(req("POST", "/hold", Some("k"), "b")));
     wait_for(|| calls.get("/hold") == 1).await;
-    // Well past the lease (2.7 of them), the handler still held: the renewals must have kept
-    // the key.
+    // Well past the lease, the handler still held: the renewals must have kept the key. Each
+    // step gives the renewals 400 ms of Tokio's time, then moves the store's clock 250 ms
+    // more: the lease outlives one step without a renewal, not two.
     for _ in 0..4 {
         tokio::time::sleep(Duration::from_millis(400)).await;
+        fx.pass(Duration::from_millis(250)).await;
         app(req("POST", "/hold", Some("k"), "b"))
             .await
             .assert_problem(409, "request-in-progress");
@@ -767,7 +770,7 @@ async fn slow_handler_outliving_the_ttl_runs_once_and_is_replayed<F: Fixture>(fx
     wait_for(|| calls.get("/hold") == 1).await;
     // Past the TTL (at about 650 and 1300 ms), the handler still held.
     for _ in 0..2 {
-        tokio::time::sleep(Duration::from_millis(650)).await;
+        fx.pass(Duration::from_millis(650)).await;
         app(req("POST", "/hold", Some("k"), "b"))
             .await
             .assert_problem(409, "request-in-progress");
@@ -826,9 +829,9 @@ async fn ttl_shorter_than_the_lease_keeps_a_running_key<F: Fixture>(fx: &F) {
 
 async fn renewals_keep_a_key_whose_ttl_is_shorter_than_the_lease<F: Fixture>(fx: &F) {
     let calls = Calls::default();
-    // Renewed every 200 ms: the lease outlives a renewal that is late by 400 ms. The TTL is
-    // shorter than the lease, and long enough for the replay below to arrive after the
-    // completion on a busy machine.
+    // Renewed every 200 ms of Tokio's time. The TTL is shorter than the lease; it runs out
+    // only where the test moves the store's clock (on Redis, the server's own clock: 400 ms
+    // for the replay below to arrive).
     let app = build(
         layer(fx.store())
             .with_lease(Duration::from_millis(600))
@@ -838,9 +841,11 @@ async fn renewals_keep_a_key_whose_ttl_is_shorter_than_the_lease<F: Fixture>(fx:
     );
     let first = tokio::spawn(app(req("POST", "/hold", Some("k"), "b")));
     wait_for(|| calls.get("/hold") == 1).await;
-    // Past the TTL and the first lease, the handler still held.
+    // Past the TTL and the first lease, the handler still held; each step as in
+    // `lease_renewal_keeps_a_slow_handler_from_being_taken_over`.
     for _ in 0..4 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        fx.pass(Duration::from_millis(250)).await;
         app(req("POST", "/hold", Some("k"), "b"))
             .await
             .assert_problem(409, "request-in-progress");

@@ -178,20 +178,19 @@ impl PgSchema {
         store
     }
 
-    /// Puts the schema's records on a clock the test moves: the store's clock hook,
-    /// `tower_idempotency_now()`, becomes the server's time plus an offset that
-    /// [`advance_clock`](Self::advance_clock) adds to. Call it after `migrate()`. Time still
-    /// runs, so a test's leases and renewals in real time keep working beside the jumps.
+    /// Puts the schema's records on a clock that only the test moves: the store's clock hook,
+    /// `tower_idempotency_now()`, reads a one-row table that starts at the server's time and
+    /// goes ahead only by [`advance_clock`](Self::advance_clock). Call it after `migrate()`.
+    /// Leases and TTLs then run out only where the test says, whatever the machine's load.
     pub async fn controlled_clock(&self) {
         let s = &self.name;
         admin_exec(
             &self.admin,
             format!(
-                "CREATE TABLE {s}.ti_clock_offset (d interval NOT NULL);
-                 INSERT INTO {s}.ti_clock_offset VALUES (interval '0');
+                "CREATE TABLE {s}.ti_clock (t timestamptz NOT NULL);
+                 INSERT INTO {s}.ti_clock VALUES (pg_catalog.now());
                  CREATE OR REPLACE FUNCTION {s}.tower_idempotency_now() RETURNS timestamptz
-                     LANGUAGE sql STABLE PARALLEL SAFE
-                     AS $$ SELECT pg_catalog.now() + (SELECT d FROM {s}.ti_clock_offset) $$"
+                     LANGUAGE sql STABLE PARALLEL SAFE AS $$ SELECT t FROM {s}.ti_clock $$"
             ),
         )
         .await;
@@ -203,7 +202,7 @@ impl PgSchema {
         admin_exec(
             &self.admin,
             format!(
-                "UPDATE {}.ti_clock_offset SET d = d + interval '{micros} microseconds'",
+                "UPDATE {}.ti_clock SET t = t + interval '{micros} microseconds'",
                 self.name
             ),
         )
@@ -374,7 +373,8 @@ impl http_body::Body for WithTrailers {
 /// The test handler. What it does depends on the path:
 ///
 /// - `/slow?ms=N`: sleeps N ms, then answers like `/ok`;
-/// - `/hold`: waits until the test calls [`Calls::release`], then answers like `/ok`;
+/// - `/hold`: its first call waits until the test calls [`Calls::release`]; then, and every
+///   later call at once, answers like `/ok`;
 /// - `/fail`: `500`; `/bad`: `400`; `/panic`: panics; `/error`: a service error;
 /// - `/limited`, `/timeout`: `429`, `408` on their first call, then like anything else;
 /// - `/big?n=N`: `200` with N bytes, streamed in 1 KiB chunks;
@@ -422,7 +422,7 @@ pub fn handler(
             };
             match path.as_str() {
                 "/slow" => tokio::time::sleep(Duration::from_millis(num("ms"))).await,
-                "/hold" => calls.held().await,
+                "/hold" if n == 1 => calls.held().await,
                 "/fail" => return Ok(full(StatusCode::INTERNAL_SERVER_ERROR, "boom".into())),
                 "/bad" => return Ok(full(StatusCode::BAD_REQUEST, format!("bad #{n}"))),
                 "/limited" if n == 1 => {
