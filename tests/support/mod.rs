@@ -325,7 +325,7 @@ pub struct Calls(
 );
 
 impl Calls {
-    /// Lets every call of `/hold`, running or to come, answer.
+    /// Lets the first call of `/hold` answer, whether it is waiting yet or not.
     pub fn release(&self) {
         self.1.send_replace(true);
     }
