@@ -28,7 +28,9 @@ trait Fixture: Sized {
     /// timed tests, so the wait ends at once; the Postgres fixtures move the database's clock
     /// hook, which stands still otherwise; Redis keeps the server's own clock, so its fixture
     /// waits for real.
-    fn pass(&self, d: Duration) -> impl Future<Output = ()>;
+    fn pass(&self, d: Duration) -> impl Future<Output = ()> {
+        tokio::time::sleep(d)
+    }
     fn cleanup(self) -> impl Future<Output = ()>;
 }
 
@@ -44,9 +46,6 @@ impl Fixture for Memory {
     }
     async fn second_instance(&self) -> MemoryStore {
         self.0.clone()
-    }
-    async fn pass(&self, d: Duration) {
-        tokio::time::sleep(d).await;
     }
     async fn cleanup(self) {}
 }
@@ -162,9 +161,6 @@ impl Fixture for Redis {
             // Connected lazily, as an app instance starting up would be.
             support::redis_support::store(&self.prefix)
         }
-    }
-    async fn pass(&self, d: Duration) {
-        tokio::time::sleep(d).await;
     }
     async fn cleanup(self) {}
 }

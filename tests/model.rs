@@ -501,15 +501,7 @@ impl Postgres {
         let store = PostgresStore::new(pool.clone()).with_claim_strategy(strategy);
         store.migrate().await.unwrap();
         // The store reads the time through its clock hook: here, the schema's clock.
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "CREATE TABLE {s}.ti_clock (t timestamptz NOT NULL);
-             INSERT INTO {s}.ti_clock VALUES ('{START}');
-             CREATE OR REPLACE FUNCTION {s}.tower_idempotency_now() RETURNS timestamptz
-                 LANGUAGE sql STABLE AS $$ SELECT t FROM {s}.ti_clock $$;"
-        )))
-        .execute(&pool)
-        .await
-        .unwrap();
+        schema.controlled_clock_from(&format!("'{START}'")).await;
         Postgres {
             strategy,
             store,

@@ -63,30 +63,31 @@ use crate::response::StoredResponse;
 ///
 /// # Round trips and clocks
 ///
-/// With the default [`ClaimStrategy::Adaptive`], a first request costs two statements
-/// (insert, complete) and a replay one (the read) once most recent claims found their key,
-/// plus one renewal per third of the lease for handlers that run longer than that;
-/// [`ClaimStrategy`] trades these counts against what each statement costs the database. Every time (leases, expiry) is computed by the database, through the
-/// function `tower_idempotency_now()` (`pg_catalog.now()`), so app instances with skewed
-/// clocks agree. A test may replace that one function to move the store's clock.
+/// With the default [`ClaimStrategy::Adaptive`], a first request costs two statements (insert,
+/// complete) and a replay one (the read) once most recent claims found their key, plus one
+/// renewal per third of the lease for handlers that run longer than that; [`ClaimStrategy`]
+/// trades these counts against what each statement costs the database. Every time (leases,
+/// expiry) is computed by the database, through the function `tower_idempotency_now()`
+/// (`pg_catalog.now()`), so app instances with skewed clocks agree. A test may replace that one
+/// function to move the store's clock.
 ///
 /// # Poolers and bounds
 ///
-/// Every statement goes over the simple query protocol with its values written in as
-/// literals, so the store works behind a pooler in transaction mode (PgBouncer, RDS Proxy,
-/// Supavisor) with nothing to configure: every message is whole in itself, and no setting
-/// outlives its transaction. The statements a request costs (the read, the insert and the
-/// completion) are written out in SQL and prepared with SQL `PREPARE` on each server
-/// connection that runs them, under a name that is a digest of their text, so that Postgres
-/// plans them once per connection, and a client of a pooler that meets one on a shared server
-/// connection meets the statement it means. Calls of the store's functions (the rarer paths:
-/// takeover, release, renewal, and [`ClaimStrategy::Combined`]'s claim) are sent as text. A server connection
-/// that does not hold one yet answers its first `EXECUTE` with an error (`prepared statement
+/// Every statement goes over the simple query protocol with its values written in as literals,
+/// so the store works behind a pooler in transaction mode (PgBouncer, RDS Proxy, Supavisor)
+/// with nothing to configure: every message is whole in itself, and no setting outlives its
+/// transaction. The statements a request costs (the read, the insert and the completion) are
+/// written out in SQL and prepared with SQL `PREPARE` on each server connection that runs them,
+/// under a name that is a digest of their text, so that Postgres plans them once per
+/// connection, and a client of a pooler that meets one on a shared server connection meets the
+/// statement it means. Calls of the store's functions (the rarer paths: takeover, release,
+/// renewal, and [`ClaimStrategy::Combined`]'s claim) are sent as text. A server connection that
+/// does not hold one yet answers its first `EXECUTE` with an error (`prepared statement
 /// "tower_idempotency_…" does not exist`, in the server's log once per server connection and
-/// statement), and the store sends it again with the `PREPARE`. Each statement runs under
-/// the store's own `statement_timeout` and `lock_timeout` ([`with_statement_timeout`], 5 s;
-/// [`with_lock_timeout`], 1 s), set with `SET LOCAL` in the same message, so the
-/// application's statements keep their own settings.
+/// statement), and the store sends it again with the `PREPARE`. Each statement runs under the
+/// store's own `statement_timeout` and `lock_timeout` ([`with_statement_timeout`], 5 s;
+/// [`with_lock_timeout`], 1 s), set with `SET LOCAL` in the same message, so the application's
+/// statements keep their own settings.
 ///
 /// [`with_statement_timeout`]: PostgresStore::with_statement_timeout
 /// [`with_lock_timeout`]: PostgresStore::with_lock_timeout
@@ -324,7 +325,8 @@ impl PostgresStore {
     ///   `tower_idempotency_message_failures_parked` (partial);
     /// - the sequence `tower_idempotency_lease_token_seq`;
     /// - the functions `tower_idempotency_now` (the store's clock),
-    ///   `tower_idempotency_plain_claim`, `tower_idempotency_plain_read`, `tower_idempotency_insert_key`,
+    ///   `tower_idempotency_plain_claim`, `tower_idempotency_plain_read`,
+    ///   `tower_idempotency_insert_key`,
     ///   `tower_idempotency_plain_insert`, `tower_idempotency_plain_takeover`,
     ///   `tower_idempotency_plain_complete` (two: with and without the wake-up),
     ///   `tower_idempotency_plain_release` (two), `tower_idempotency_plain_renew`,

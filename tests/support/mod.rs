@@ -183,12 +183,17 @@ impl PgSchema {
     /// goes ahead only by [`advance_clock`](Self::advance_clock). Call it after `migrate()`.
     /// Leases and TTLs then run out only where the test says, whatever the machine's load.
     pub async fn controlled_clock(&self) {
+        self.controlled_clock_from("pg_catalog.now()").await;
+    }
+
+    /// [`controlled_clock`](Self::controlled_clock), starting at `start` (an SQL expression).
+    pub async fn controlled_clock_from(&self, start: &str) {
         let s = &self.name;
         admin_exec(
             &self.admin,
             format!(
                 "CREATE TABLE {s}.ti_clock (t timestamptz NOT NULL);
-                 INSERT INTO {s}.ti_clock VALUES (pg_catalog.now());
+                 INSERT INTO {s}.ti_clock VALUES ({start});
                  CREATE OR REPLACE FUNCTION {s}.tower_idempotency_now() RETURNS timestamptz
                      LANGUAGE sql STABLE PARALLEL SAFE AS $$ SELECT t FROM {s}.ti_clock $$"
             ),
