@@ -21,6 +21,7 @@ pub mod pgbouncer;
 pub mod proxy;
 #[cfg(feature = "redis")]
 pub mod redis_support;
+pub mod wire;
 
 /// The server the Postgres tests use: `DATABASE_URL`, or the local service. Admin work
 /// (creating and dropping schemas, roles and databases) and the tests' own inspections always
@@ -538,7 +539,7 @@ pub fn req(method: &str, uri: &str, key: Option<&str>, body: &str) -> Request<Fu
 }
 
 /// A response read in full.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Answer {
     pub status: StatusCode,
     pub headers: http::HeaderMap,

@@ -58,6 +58,13 @@ pub enum PhaseError<E = Infallible> {
     /// itself failed, its outcome is unknown: the retry finds out).
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// An earlier step of this request may or may not have committed (its commit timed out,
+    /// or its connection broke before the answer), so no later phase of this request runs:
+    /// running one could repeat that step's work, or record over it. Answer with a `5xx`:
+    /// the claim is kept, and the retry, which reads the key's record, resumes after what
+    /// did commit.
+    #[error("an earlier step's commit has an unknown outcome; this request can go no further")]
+    Uncertain,
 }
 
 /// The phases of a keyed request in phased mode: its steps with their recovery points, and
@@ -170,7 +177,10 @@ impl Phases {
     /// [`PhaseError::Work`] when `work` fails, [`PhaseError::LeaseLost`] when another request
     /// holds the key now, [`PhaseError::Aborted`] when `work` returned `Ok` after one of its
     /// statements failed, [`PhaseError::StateTooLarge`], [`PhaseError::Misuse`] and
-    /// [`PhaseError::Store`]. In every case nothing of the phase committed.
+    /// [`PhaseError::Store`]; in each of these cases nothing of the phase committed, except
+    /// for a [`PhaseError::Store`] from the commit itself, whose outcome is unknown.
+    /// [`PhaseError::Uncertain`] when an earlier step's commit had an unknown outcome: no
+    /// later phase of the request runs.
     pub async fn step<T, E, F>(&self, name: &str, work: F) -> Result<T, PhaseError<E>>
     where
         T: PhaseState,
@@ -181,15 +191,8 @@ impl Phases {
                 "a step name must be 1 to 255 bytes long",
             ));
         }
-        let done = self
-            .recorded()
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, state)| state.clone());
-        if let Some(state) = done {
-            return T::from_state(&state).ok_or(PhaseError::Misuse(
-                "a recorded step state does not decode as the type asked for",
-            ));
+        if let Some(done) = self.done(name) {
+            return done;
         }
         if self
             .inner
@@ -200,6 +203,10 @@ impl Phases {
             return Err(PhaseError::Misuse("a step after the last phase was opened"));
         }
         let _row = self.inner.row.lock().await;
+        // A step of the same name may have committed while this one waited for the record.
+        if let Some(done) = self.done(name) {
+            return done;
+        }
         let (mut tx, fenced, _) = self.open().await?;
         let conn = tx.conn()?;
         let value = match work(conn).await {
@@ -241,10 +248,22 @@ impl Phases {
             sql,
             through_commit,
         };
+        // From here until the server's answer, the step may commit without this request
+        // knowing: a timeout, a dropped future or a broken connection leaves it uncertain, and
+        // an uncertain claim is never released (had the step committed, a release would let
+        // the retry run it again). Only a known outcome clears it.
+        self.inner.uncertain.store(true, Ordering::SeqCst);
         let committed = store_call(Operation::Commit, self.inner.store_timeout, async {
             Ok(run_completion(tx.conn()?, batch).await)
         })
         .await?;
+        if committed.as_ref().is_ok()
+            || committed
+                .as_ref()
+                .is_err_and(|e| sqlstate_is(e, IN_FAILED_TRANSACTION) || sqlstate_is(e, NOT_HELD))
+        {
+            self.inner.uncertain.store(false, Ordering::SeqCst);
+        }
         match committed {
             Ok(_) => {
                 tx.ended();
@@ -267,13 +286,23 @@ impl Phases {
                 self.lose();
                 Err(PhaseError::LeaseLost)
             }
-            Err(e) => {
-                // The commit's outcome is unknown (the connection broke while it ran): the
-                // step may have committed, so the claim must not be released with it.
-                self.inner.uncertain.store(true, Ordering::Relaxed);
-                Err(PhaseError::Store(db_error(e)))
-            }
+            // The commit's outcome is unknown (the connection broke while it ran): the step
+            // may have committed, so the claim stays (`uncertain`), and no later phase of
+            // this request runs.
+            Err(e) => Err(PhaseError::Store(db_error(e))),
         }
+    }
+
+    /// The state of the step `name` when it has committed.
+    fn done<T: PhaseState, E>(&self, name: &str) -> Option<Result<T, PhaseError<E>>> {
+        let state = self
+            .recorded()
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, state)| state.clone())?;
+        Some(T::from_state(&state).ok_or(PhaseError::Misuse(
+            "a recorded step state does not decode as the type asked for",
+        )))
     }
 
     /// Opens (or returns) the last phase's transaction: the handler writes its final changes
@@ -322,6 +351,9 @@ impl Phases {
     async fn open<E>(&self) -> Result<(OpenTx, bool, bool), PhaseError<E>> {
         if self.inner.signal.is_lost() {
             return Err(PhaseError::LeaseLost);
+        }
+        if self.inner.uncertain.load(Ordering::SeqCst) {
+            return Err(PhaseError::Uncertain);
         }
         let level = self.inner.isolation.or_else(|| {
             let code = self.inner.default_level.load(Ordering::Relaxed);

@@ -1,0 +1,505 @@
+//! The fault matrix: every statement boundary of a keyed request's path through the Postgres
+//! store, struck with each fault (the connection cut before the statement reaches the server,
+//! cut after the server executed it, its answer stalled past the store's timeout, the
+//! request's future dropped while it is in flight), then retried as a client would.
+//!
+//! The boundaries are not written down here: a run without faults records them
+//! (`support::wire`), and every cell strikes at one. Each cell asserts the invariant:
+//!
+//! - the work's database effects happen at most once per key (the payment rows), and the
+//!   provider charges once (it deduplicates by the derived key, as real providers do);
+//! - no committed answer is lost: once a retry gets the success, a further retry replays
+//!   it byte for byte, and a success the first attempt already showed its client is the one
+//!   replayed;
+//! - nothing hangs: every request answers within a bound.
+//!
+//! Plain mode promises less where the fault hits the completion (the answer could not be
+//! stored: the key waits for its lease and the retry runs the handler again, as after a crash
+//! between the handler and the store); the matrix holds it to exactly that.
+#![allow(clippy::unwrap_used, clippy::expect_used, unreachable_pub)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::net::ToSocketAddrs as _;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use support::wire::{Fault, Point, WireProxy};
+use support::{Answer, PgSchema, read, req};
+use tokio::sync::Semaphore;
+use tower::util::BoxCloneSyncService as BoxCloneService;
+use tower::{Layer, ServiceExt};
+use tower_idempotency::body::RequestBody;
+use tower_idempotency::{IdempotencyLayer, IdempotentTx, PhaseError, Phases, PostgresStore};
+
+/// The store's timeout in every cell; stalls outlast it.
+const STORE_TIMEOUT: Duration = Duration::from_millis(400);
+const STALL: Duration = Duration::from_millis(1200);
+/// The lease; the database clock is moved past it when a retry meets the key in flight.
+const LEASE: Duration = Duration::from_secs(5);
+/// Every request answers within this, or the cell hangs.
+const BOUND: Duration = Duration::from_secs(15);
+/// Cells run at once (each mostly waits on the database and its stalls).
+const AT_ONCE: usize = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Plain,
+    Transactional,
+    Phased,
+}
+
+const FAULTS: [Fault; 4] = [
+    Fault::CutBefore,
+    Fault::CutAfter,
+    Fault::Stall(STALL),
+    Fault::Hold,
+];
+
+type Svc = BoxCloneService<
+    Request<Full<Bytes>>,
+    Response<tower_idempotency::body::ResponseBody<Full<Bytes>>>,
+    std::io::Error,
+>;
+
+/// A provider that deduplicates by key, as payment providers do.
+#[derive(Clone, Default)]
+struct Provider(Arc<Mutex<HashMap<String, String>>>);
+
+impl Provider {
+    fn charge(&self, key: &str) -> String {
+        let mut charges = self.0.lock().unwrap();
+        let n = charges.len();
+        charges
+            .entry(key.to_owned())
+            .or_insert_with(|| format!("ch_{n}"))
+            .clone()
+    }
+    fn charges(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+struct Cell {
+    schema: PgSchema,
+    admin: PgPool,
+    store: PostgresStore,
+    proxy: WireProxy,
+    provider: Provider,
+    svc: Svc,
+}
+
+impl Cell {
+    async fn new(mode: Mode) -> Cell {
+        let schema = PgSchema::new().await;
+        // Migrated and inspected straight at the server: only the layer's path crosses the
+        // proxy.
+        let admin = schema.direct_pool(4).await;
+        PostgresStore::new(admin.clone()).migrate().await.unwrap();
+        schema.controlled_clock().await;
+        sqlx::raw_sql(
+            "CREATE TABLE payments (id bigserial PRIMARY KEY, status text NOT NULL, \
+             charge text)",
+        )
+        .execute(&admin)
+        .await
+        .unwrap();
+        let opts = schema.connect_options();
+        let target = (opts.get_host(), opts.get_port())
+            .to_socket_addrs()
+            .unwrap()
+            .next()
+            .unwrap();
+        let proxy = WireProxy::start(target).await;
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(
+                opts.host(&proxy.addr().ip().to_string())
+                    .port(proxy.addr().port()),
+            )
+            .await
+            .unwrap();
+        let store = PostgresStore::new(pool);
+        let provider = Provider::default();
+        let svc = service(mode, &store, &admin, &provider);
+        Cell {
+            schema,
+            admin,
+            store,
+            proxy,
+            provider,
+            svc,
+        }
+    }
+
+    async fn scalar(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+            .fetch_one(&self.admin)
+            .await
+            .unwrap()
+    }
+
+    async fn send(&self) -> Result<Answer, String> {
+        let call = self
+            .svc
+            .clone()
+            .oneshot(req("POST", "/pay", Some("k-1"), r#"{"amount":500}"#));
+        match tokio::time::timeout(BOUND, call).await {
+            Ok(Ok(res)) => Ok(read(res).await),
+            Ok(Err(e)) => Err(format!("service error: {e}")),
+            Err(_) => Err(format!("no answer within {BOUND:?}")),
+        }
+    }
+
+    async fn cleanup(self) {
+        drop(self.proxy);
+        self.store.pool().close().await;
+        self.admin.close().await;
+        self.schema.drop_schema().await;
+    }
+}
+
+/// The layer in `mode` over a payment handler: a pending payment row, the provider's charge,
+/// then the row charged and `201`.
+fn service(mode: Mode, store: &PostgresStore, admin: &PgPool, provider: &Provider) -> Svc {
+    let admin = admin.clone();
+    let provider = provider.clone();
+    let handler = tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
+        let admin = admin.clone();
+        let provider = provider.clone();
+        async move {
+            let answer = |status: StatusCode, body: String| {
+                let mut res = Response::new(Full::new(Bytes::from(body)));
+                *res.status_mut() = status;
+                Ok::<_, std::io::Error>(res)
+            };
+            let key = req
+                .extensions()
+                .get::<tower_idempotency::IdempotencyKey>()
+                .unwrap()
+                .as_str()
+                .to_owned();
+            match mode {
+                Mode::Plain => {
+                    // The effect goes straight to the database, not through the store.
+                    let id: i64 = match sqlx::query_scalar(
+                        "INSERT INTO payments (status) VALUES ('charged') RETURNING id",
+                    )
+                    .fetch_one(&admin)
+                    .await
+                    {
+                        Ok(id) => id,
+                        Err(e) => return answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                    };
+                    let charge = provider.charge(&format!("{key}:charge"));
+                    answer(
+                        StatusCode::CREATED,
+                        format!(r#"{{"payment":{id},"charge":"{charge}"}}"#),
+                    )
+                }
+                Mode::Transactional => {
+                    let tx = req.extensions().get::<IdempotentTx>().unwrap().clone();
+                    let Ok(mut conn) = tx.conn().await else {
+                        return answer(StatusCode::SERVICE_UNAVAILABLE, "no tx".into());
+                    };
+                    let id: i64 = match sqlx::query_scalar(
+                        "INSERT INTO payments (status) VALUES ('charged') RETURNING id",
+                    )
+                    .fetch_one(&mut *conn)
+                    .await
+                    {
+                        Ok(id) => id,
+                        Err(e) => return answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                    };
+                    answer(StatusCode::CREATED, format!(r#"{{"payment":{id}}}"#))
+                }
+                Mode::Phased => {
+                    let phases = req.extensions().get::<Phases>().unwrap().clone();
+                    let id: i64 = match phases
+                        .step("pending", async |conn| {
+                            sqlx::query_scalar(
+                                "INSERT INTO payments (status) VALUES ('pending') RETURNING id",
+                            )
+                            .fetch_one(&mut *conn)
+                            .await
+                        })
+                        .await
+                    {
+                        Ok(id) => id,
+                        Err(PhaseError::LeaseLost) => {
+                            return answer(StatusCode::CONFLICT, "lease lost".into());
+                        }
+                        Err(e) => return answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                    };
+                    let charge = provider.charge(&format!("{key}:charge"));
+                    let last = async {
+                        let mut tx = phases.tx().await?;
+                        sqlx::query(
+                            "UPDATE payments SET status = 'charged', charge = $1 WHERE id = $2",
+                        )
+                        .bind(&charge)
+                        .bind(id)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| PhaseError::Store(e.into()))?;
+                        Ok::<_, PhaseError>(())
+                    };
+                    match last.await {
+                        Ok(()) => answer(
+                            StatusCode::CREATED,
+                            format!(r#"{{"payment":{id},"charge":"{charge}"}}"#),
+                        ),
+                        Err(e) => answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                    }
+                }
+            }
+        }
+    });
+    match mode {
+        Mode::Plain => {
+            BoxCloneService::new(configure(IdempotencyLayer::new(store.clone())).layer(handler))
+        }
+        Mode::Transactional => BoxCloneService::new(
+            configure(IdempotencyLayer::new(store.transactional())).layer(handler),
+        ),
+        Mode::Phased => {
+            BoxCloneService::new(configure(IdempotencyLayer::new(store.phased())).layer(handler))
+        }
+    }
+}
+
+fn configure<M>(layer: IdempotencyLayer<M>) -> IdempotencyLayer<M> {
+    layer
+        .with_lease(LEASE)
+        .with_store_timeout(STORE_TIMEOUT)
+        .with_cancel_on_disconnect(true)
+}
+
+/// The statement boundaries of the first request's path, from a run without faults.
+async fn boundaries(mode: Mode) -> Vec<Point> {
+    let cell = Cell::new(mode).await;
+    let first = cell.send().await.unwrap();
+    assert_eq!(
+        first.status,
+        201,
+        "{mode:?} without faults: {}",
+        first.text()
+    );
+    let seen = cell.proxy.seen();
+    cell.cleanup().await;
+    seen
+}
+
+/// What one cell showed: whether its fault fired, and the invariant's verdict.
+struct Verdict {
+    fired: bool,
+    first: u16,
+    retries: usize,
+    outcome: Result<(), String>,
+}
+
+/// One cell: the fault at `point`, the first request, then retries until the success, then
+/// the checks.
+async fn strike(mode: Mode, point: Point, fault: Fault) -> Verdict {
+    let cell = Cell::new(mode).await;
+    cell.proxy.arm(point.clone(), fault);
+    let first = if fault == Fault::Hold {
+        let call = cell.send();
+        tokio::select! {
+            answer = call => answer,
+            () = cell.proxy.hit() => Err("dropped".to_owned()),
+        }
+    } else {
+        cell.send().await
+    };
+    let fired = cell.proxy.fired();
+    // The future was dropped (or the fault is over): let held answers go, strike no more.
+    cell.proxy.heal();
+    // Plain mode: did the first request's answer reach the store?
+    let stored = cell
+        .scalar("SELECT count(*) FROM tower_idempotency_keys WHERE completed_at IS NOT NULL")
+        .await;
+    let completion_lost =
+        mode == Mode::Plain && stored == 0 && first.as_ref().is_ok_and(|a| a.status == 201);
+    let outcome = check(&cell, mode, completion_lost, &first).await;
+    let verdict = Verdict {
+        fired,
+        first: first.as_ref().map_or(0, |a| a.status.as_u16()),
+        retries: outcome.as_ref().map_or(0, |(n, _)| *n),
+        outcome: outcome.map(|_| ()),
+    };
+    cell.cleanup().await;
+    verdict
+}
+
+async fn check(
+    cell: &Cell,
+    mode: Mode,
+    completion_lost: bool,
+    first: &Result<Answer, String>,
+) -> Result<(usize, ()), String> {
+    if let Err(e) = first
+        && e != "dropped"
+    {
+        return Err(format!("first request: {e}"));
+    }
+    // Retry as a client does: at once after a 5xx, after the lease (the database clock moved
+    // past it) after a 409.
+    let mut success = None;
+    let mut retries = 0;
+    if let Ok(first) = first
+        && first.status == 201
+    {
+        success = Some(first.clone());
+    }
+    while success.is_none() {
+        retries += 1;
+        if retries > 8 {
+            return Err("no success after 8 retries".into());
+        }
+        let answer = cell.send().await?;
+        match answer.status.as_u16() {
+            201 => success = Some(answer),
+            409 => {
+                cell.schema
+                    .advance_clock(LEASE + Duration::from_secs(1))
+                    .await
+            }
+            s if s >= 500 => tokio::time::sleep(Duration::from_millis(50)).await,
+            s => return Err(format!("retry answered {s}: {}", answer.text())),
+        }
+    }
+    let success = success.unwrap();
+    let replay = cell.send().await?;
+    // Plain mode could not store the answer the first request's client got: the key waits
+    // for its lease, then the handler runs again (as after a crash before the store).
+    if completion_lost && !replay.replayed() {
+        // The first success was not stored: the key is the lease's until it runs out, then
+        // the handler runs again, and that answer is stored.
+        let mut again = replay;
+        if again.status == 409 {
+            cell.schema
+                .advance_clock(LEASE + Duration::from_secs(1))
+                .await;
+            again = cell.send().await?;
+        }
+        if again.status != 201 {
+            return Err(format!(
+                "after the lease: {} {}",
+                again.status,
+                again.text()
+            ));
+        }
+        let replay = cell.send().await?;
+        if !replay.replayed() || replay.body != again.body {
+            return Err("the success after the lease was not replayed".into());
+        }
+    } else {
+        if replay.status != 201 || !replay.replayed() {
+            return Err(format!(
+                "the success was not replayed: {} {}",
+                replay.status,
+                replay.text()
+            ));
+        }
+        if replay.body != success.body {
+            return Err(format!(
+                "the replay differs from the success a client got: {} vs {}",
+                replay.text(),
+                success.text()
+            ));
+        }
+    }
+    let payments = cell.scalar("SELECT count(*) FROM payments").await;
+    let charged = cell
+        .scalar("SELECT count(*) FROM payments WHERE status = 'charged'")
+        .await;
+    let most = if completion_lost { 2 } else { 1 };
+    if payments > most || charged != payments {
+        return Err(format!(
+            "{payments} payment rows, {charged} of them charged"
+        ));
+    }
+    if mode != Mode::Transactional && cell.provider.charges() != 1 {
+        return Err(format!("{} provider charges", cell.provider.charges()));
+    }
+    Ok((retries, ()))
+}
+
+async fn matrix(mode: Mode) {
+    let points = boundaries(mode).await;
+    assert!(!points.is_empty(), "no statement boundary recorded");
+    let gate = Arc::new(Semaphore::new(AT_ONCE));
+    let mut cells = Vec::new();
+    for point in &points {
+        for fault in FAULTS {
+            let gate = gate.clone();
+            let point = point.clone();
+            cells.push((
+                point.clone(),
+                fault,
+                tokio::spawn(async move {
+                    let _permit = gate.acquire_owned().await.unwrap();
+                    strike(mode, point, fault).await
+                }),
+            ));
+        }
+    }
+    let mut failures = Vec::new();
+    let mut unfired = 0;
+    println!("| {mode:?} | statement boundary | fault | first answer | retries | result |");
+    for (point, fault, task) in cells {
+        let verdict = task.await.unwrap();
+        if !verdict.fired {
+            unfired += 1;
+        }
+        let result = match &verdict.outcome {
+            Ok(()) if verdict.fired => "holds".to_owned(),
+            Ok(()) => "holds (not reached)".to_owned(),
+            Err(e) => format!("FAILS: {e}"),
+        };
+        println!(
+            "| | `{point}` | {} | {} | {} | {result} |",
+            fault.name(),
+            verdict.first,
+            verdict.retries
+        );
+        if let Err(e) = verdict.outcome {
+            failures.push(format!("{point} × {}: {e}", fault.name()));
+        }
+    }
+    println!(
+        "{mode:?}: {} boundaries × {} faults = {} cells, {} failed, {unfired} not reached",
+        points.len(),
+        FAULTS.len(),
+        points.len() * FAULTS.len(),
+        failures.len()
+    );
+    assert!(
+        unfired * 4 <= points.len() * FAULTS.len(),
+        "too many cells were never reached ({unfired}): the path differs from its recording"
+    );
+    assert!(failures.is_empty(), "{mode:?}:\n{}", failures.join("\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_mode_holds_at_every_statement_boundary() {
+    matrix(Mode::Plain).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_mode_holds_at_every_statement_boundary() {
+    matrix(Mode::Transactional).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn phased_mode_holds_at_every_statement_boundary() {
+    matrix(Mode::Phased).await;
+}
