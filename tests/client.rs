@@ -1250,7 +1250,25 @@ impl tracing::field::Visit for Visit<'_> {
     }
 }
 
-impl<S> tracing_subscriber::Layer<S> for Traced
+thread_local! {
+    /// The capture of the test running on this thread, if it asked for one.
+    static CAPTURE: std::cell::RefCell<Option<Traced>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The binary's one global subscriber writes to the capture of the thread that emitted. A
+/// scoped `set_default` would race other tests' threads for the callsites' cached interest and
+/// can miss a span; a global subscriber is asked about every callsite once, for every thread.
+struct ToThisThread;
+
+fn captured(record: impl FnOnce(&Traced)) {
+    CAPTURE.with(|capture| {
+        if let Some(traced) = &*capture.borrow() {
+            record(traced);
+        }
+    });
+}
+
+impl<S> tracing_subscriber::Layer<S> for ToThisThread
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
 {
@@ -1260,7 +1278,7 @@ where
         _: &tracing::span::Id,
         _: tracing_subscriber::layer::Context<'_, S>,
     ) {
-        attrs.record(&mut Visit(attrs.metadata().name(), self));
+        captured(|traced| attrs.record(&mut Visit(attrs.metadata().name(), traced)));
     }
     fn on_record(
         &self,
@@ -1268,11 +1286,38 @@ where
         values: &tracing::span::Record<'_>,
         ctx: tracing_subscriber::layer::Context<'_, S>,
     ) {
-        let span = ctx.span(id).unwrap();
-        values.record(&mut Visit(span.name(), self));
+        if let Some(span) = ctx.span(id) {
+            captured(|traced| values.record(&mut Visit(span.name(), traced)));
+        }
     }
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        event.record(&mut Visit("event", self));
+        captured(|traced| event.record(&mut Visit("event", traced)));
+    }
+}
+
+/// Captures what this thread traces from now until the capture is dropped.
+struct Capture(Traced);
+
+impl Capture {
+    fn start() -> Self {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        static GLOBAL: std::sync::Once = std::sync::Once::new();
+        GLOBAL.call_once(|| {
+            let subscriber = tracing_subscriber::registry()
+                .with(ToThisThread)
+                .with(tracing_subscriber::filter::LevelFilter::DEBUG);
+            tracing::subscriber::set_global_default(subscriber)
+                .expect("no other test of this binary sets a global subscriber");
+        });
+        let traced = Traced::default();
+        CAPTURE.with(|capture| *capture.borrow_mut() = Some(traced.clone()));
+        Capture(traced)
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        CAPTURE.with(|capture| *capture.borrow_mut() = None);
     }
 }
 
@@ -1280,12 +1325,7 @@ where
 /// attempt's number and reason.
 #[tokio::test(start_paused = true)]
 async fn each_call_is_a_span_and_each_retry_an_event_with_its_number_and_reason() {
-    use tracing_subscriber::layer::SubscriberExt as _;
-    let traced = Traced::default();
-    let subscriber = tracing_subscriber::registry()
-        .with(traced.clone())
-        .with(tracing_subscriber::filter::LevelFilter::DEBUG);
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let capture = Capture::start();
 
     let calls = Arc::new(AtomicUsize::new(0));
     let svc = tower::service_fn(move |_: http::Request<ReplayBody>| {
@@ -1309,7 +1349,7 @@ async fn each_call_is_a_span_and_each_retry_an_event_with_its_number_and_reason(
     let response = layer().layer(svc).oneshot(request).await.unwrap();
     assert_eq!(response.status(), 201);
 
-    let seen = traced.0.lock().unwrap().clone();
+    let seen = capture.0.0.lock().unwrap().clone();
     for expected in [
         "idempotent_client.purpose=charge",
         "idempotent_client.key=order-9:charge",

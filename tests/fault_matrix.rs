@@ -222,23 +222,35 @@ fn service(mode: Mode, store: &PostgresStore, admin: &PgPool, provider: &Provide
                 }
                 Mode::Phased => {
                     let phases = req.extensions().get::<Phases>().unwrap().clone();
-                    let id: i64 = match phases
-                        .step("pending", async |conn| {
-                            sqlx::query_scalar(
-                                "INSERT INTO payments (status) VALUES ('pending') RETURNING id",
-                            )
-                            .fetch_one(&mut *conn)
-                            .await
-                        })
-                        .await
-                    {
+                    // A handler that tries a failed step once more, as a retry-on-transient-
+                    // error helper would: a step whose commit was uncertain must not run again.
+                    let mut pending = phases
+                        .step("pending", async |conn| insert_pending(conn).await)
+                        .await;
+                    if let Err(PhaseError::Store(_)) = pending {
+                        pending = phases
+                            .step("pending", async |conn| insert_pending(conn).await)
+                            .await;
+                    }
+                    let id: i64 = match pending {
                         Ok(id) => id,
                         Err(PhaseError::LeaseLost) => {
                             return answer(StatusCode::CONFLICT, "lease lost".into());
                         }
                         Err(e) => return answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
                     };
+                    // The provider's charge, between the steps, then its ID as a recovery
+                    // point of its own (a step with no writes but its record).
                     let charge = provider.charge(&format!("{key}:charge"));
+                    let charged = phases
+                        .step("charged", async |_conn| {
+                            Ok::<_, std::convert::Infallible>(charge.clone())
+                        })
+                        .await;
+                    let charge = match charged {
+                        Ok(charge) => charge,
+                        Err(e) => return answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                    };
                     let last = async {
                         let mut tx = phases.tx().await?;
                         sqlx::query(
@@ -273,6 +285,13 @@ fn service(mode: Mode, store: &PostgresStore, admin: &PgPool, provider: &Provide
             BoxCloneService::new(configure(IdempotencyLayer::new(store.phased())).layer(handler))
         }
     }
+}
+
+/// The first step's write: a pending payment.
+async fn insert_pending(conn: &mut sqlx::PgConnection) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("INSERT INTO payments (status) VALUES ('pending') RETURNING id")
+        .fetch_one(conn)
+        .await
 }
 
 fn configure<M>(layer: IdempotencyLayer<M>) -> IdempotencyLayer<M> {

@@ -279,8 +279,30 @@ fn schema_error(result: Result<(), StoreError>) -> String {
     }
 }
 
+/// The files of `migrations/` in order, each with its version (the number its name starts
+/// with), the description `migrate()` records, and the SHA-256 of its SQL.
+fn shipped() -> Vec<(i64, String, Vec<u8>)> {
+    let files = sql_files(&root().join("migrations"));
+    let descriptions = ["schema", "phase leases"];
+    assert_eq!(files.len(), descriptions.len(), "{files:?}");
+    files
+        .iter()
+        .zip(descriptions)
+        .map(|(file, description)| {
+            let name = file.file_name().unwrap().to_str().unwrap();
+            let version = name.split('_').next().unwrap().parse().unwrap();
+            let sql = std::fs::read(file).unwrap();
+            (
+                version,
+                description.to_owned(),
+                Sha256::digest(&sql).to_vec(),
+            )
+        })
+        .collect()
+}
+
 #[tokio::test]
-async fn a_fresh_schema_is_one_migration_and_migrating_again_changes_nothing() {
+async fn a_fresh_schema_is_the_shipped_migrations_and_migrating_again_changes_nothing() {
     let schema = PgSchema::new().await;
     let pool = schema.pool(2).await;
     let store = PostgresStore::new(pool.clone());
@@ -288,14 +310,10 @@ async fn a_fresh_schema_is_one_migration_and_migrating_again_changes_nothing() {
     let first = catalog(&pool, &schema.name).await;
     let recorded = history(&pool).await;
 
-    // One file in migrations/, recorded as version 1 with its checksum.
-    let files = sql_files(&root().join("migrations"));
-    assert_eq!(files.len(), 1, "{files:?}");
-    let sql = std::fs::read(&files[0]).unwrap();
-    assert_eq!(
-        entries(&recorded),
-        [(1, "schema".to_owned(), Sha256::digest(&sql).to_vec())]
-    );
+    // Every file in migrations/, recorded with its version and checksum, in order.
+    let shipped = shipped();
+    assert_eq!(shipped.iter().map(|m| m.0).collect::<Vec<_>>(), [1, 2]);
+    assert_eq!(entries(&recorded), shipped);
     // Exactly the documented objects: none that nothing calls.
     let (functions, relations) = objects(&pool, &schema.name).await;
     assert_eq!(functions, FUNCTIONS);
@@ -307,6 +325,76 @@ async fn a_fresh_schema_is_one_migration_and_migrating_again_changes_nothing() {
     assert_eq!(history(&pool).await, recorded);
     pool.close().await;
     schema.drop_schema().await;
+}
+
+/// A schema at an earlier version (here version 1, applied with another tool and recorded)
+/// takes the later migrations and ends exactly as a fresh one; the files applied in order by
+/// another tool make the same objects.
+#[tokio::test]
+async fn a_schema_at_an_earlier_version_takes_the_later_migrations() {
+    let fresh = PgSchema::new().await;
+    let fresh_pool = fresh.pool(2).await;
+    PostgresStore::new(fresh_pool.clone())
+        .migrate()
+        .await
+        .unwrap();
+    let expected = catalog(&fresh_pool, &fresh.name).await;
+
+    let by_hand = PgSchema::new().await;
+    let pool = by_hand.pool(2).await;
+    for file in sql_files(&root().join("migrations")) {
+        let sql = std::fs::read_to_string(file).unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    // Less the history table, which only migrate() keeps.
+    let without_history = |lines: &[String]| -> Vec<String> {
+        lines
+            .iter()
+            .filter(|l| !l.contains("tower_idempotency_migrations"))
+            .cloned()
+            .collect()
+    };
+    assert_eq!(
+        catalog(&pool, &by_hand.name).await,
+        without_history(&expected)
+    );
+
+    let earlier = PgSchema::new().await;
+    let pool = earlier.pool(2).await;
+    let first = &sql_files(&root().join("migrations"))[0];
+    let sql = std::fs::read_to_string(first).unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "CREATE TABLE tower_idempotency_migrations (
+             version bigint PRIMARY KEY, description text NOT NULL, checksum bytea NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (version, description, checksum) = shipped().remove(0);
+    sqlx::query(
+        "INSERT INTO tower_idempotency_migrations (version, description, checksum) \
+         VALUES ($1, $2, $3)",
+    )
+    .bind(version)
+    .bind(description)
+    .bind(checksum)
+    .execute(&pool)
+    .await
+    .unwrap();
+    PostgresStore::new(pool.clone()).migrate().await.unwrap();
+    assert_eq!(catalog(&pool, &earlier.name).await, expected);
+    assert_eq!(entries(&history(&pool).await), shipped());
+    for schema in [fresh, by_hand, earlier] {
+        schema.drop_schema().await;
+    }
 }
 
 #[tokio::test]

@@ -19,7 +19,7 @@ use tower::util::BoxCloneService;
 use tower::{Layer, ServiceExt};
 use tower_idempotency::body::RequestBody;
 use tower_idempotency::{
-    IdempotencyLayer, IsolationLevel, PhaseError, Phased, Phases, PostgresStore,
+    IdempotencyLayer, IsolationLevel, PhaseError, Phased, Phases, PostgresStore, Store,
 };
 
 /// A provider that deduplicates by key, as a payment provider does: a repeated key gets the
@@ -125,6 +125,11 @@ impl Fx {
 
     /// The layer in `mode` over the test's payment handler, as a service.
     fn service(&self, mode: Phased, lease: Duration) -> Svc {
+        self.service_with(IdempotencyLayer::new(mode).with_lease(lease))
+    }
+
+    /// The test's payment handler behind `layer`, as a service.
+    fn service_with(&self, layer: IdempotencyLayer<Phased>) -> Svc {
         let provider = self.provider.clone();
         let script = self.script.clone();
         let pool = self.store.pool().clone();
@@ -162,12 +167,22 @@ impl Fx {
                     }
                     return answer(StatusCode::CREATED, String::new());
                 }
+                if path == "/late-step" && phases.recovery_point().is_none() {
+                    // Claimed; the test moves the clock before the first step.
+                    script.holding.notify_one();
+                    script.release.notified().await;
+                }
+                let long = path == "/long-step" && phases.recovery_point().is_none();
                 let kill = path == "/kill-in-step"
                     && !script
                         .killed
                         .swap(true, std::sync::atomic::Ordering::SeqCst);
                 let id: i64 = match phases
                     .step("pending", async |conn| {
+                        if long {
+                            // Work that outlasts the lease several times over.
+                            tokio::time::sleep(LONG_STEP).await;
+                        }
                         let id = sqlx::query_scalar(
                             "INSERT INTO payments (status, amount) VALUES ('pending', 500) \
                              RETURNING id",
@@ -217,7 +232,7 @@ impl Fx {
                     .lock()
                     .unwrap()
                     .push((u32::try_from(lent).unwrap(), idle_in_tx));
-                if path == "/hold" && phases.recovery_point().is_none() {
+                if (path == "/hold" || path == "/late-step") && phases.recovery_point().is_none() {
                     script.holding.notify_one();
                     script.release.notified().await;
                 }
@@ -260,7 +275,7 @@ impl Fx {
                 }
             }
         });
-        BoxCloneService::new(IdempotencyLayer::new(mode).with_lease(lease).layer(handler))
+        BoxCloneService::new(layer.layer(handler))
     }
 
     async fn cleanup(self) {
@@ -271,6 +286,8 @@ impl Fx {
 }
 
 const LEASE: Duration = Duration::from_secs(30);
+/// How long `/long-step`'s step works.
+const LONG_STEP: Duration = Duration::from_millis(3500);
 
 type Svc = BoxCloneService<
     Request<Full<Bytes>>,
@@ -688,6 +705,71 @@ async fn a_step_whose_commit_is_uncertain_keeps_its_claim_for_the_retry() {
     let retry = app(req("POST", "/kill-in-step", Some("u"), "{}")).await;
     assert_eq!(retry.status, 201, "{}", retry.text());
     // The killed step never committed: the retry ran it, once.
+    assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 1);
+    fx.cleanup().await;
+}
+
+/// A record must not count as expired while its lease holds: a step's commit extends the
+/// lease and the record's life with it. (A TTL shorter than the handler's run: the step
+/// commits past the claim's first lease.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_keeps_its_record_alive_as_long_as_its_lease() {
+    let fx = Fx::new().await;
+    fx.schema.controlled_clock().await;
+    let svc = fx.service_with(
+        IdempotencyLayer::new(fx.store.phased())
+            .with_lease(LEASE)
+            .with_ttl(Duration::from_secs(1))
+            .unwrap(),
+    );
+    let first = tokio::spawn(
+        svc.clone()
+            .oneshot(req("POST", "/late-step", Some("t"), "{}")),
+    );
+    // Claimed: the record lives as long as its lease (30 s).
+    fx.script.holding.notified().await;
+    fx.schema.advance_clock(Duration::from_secs(20)).await;
+    fx.script.release.notify_one();
+    // The step committed 20 s in: its lease runs to 50 s.
+    fx.script.holding.notified().await;
+    fx.schema.advance_clock(Duration::from_secs(15)).await;
+    // A duplicate that took the key over as new would run the handler, and wait at its hold.
+    let dup = tokio::time::timeout(
+        Duration::from_secs(10),
+        svc.clone()
+            .oneshot(req("POST", "/late-step", Some("t"), "{}")),
+    )
+    .await
+    .expect("the duplicate ran the handler: the record had expired while its lease held")
+    .unwrap();
+    read(dup).await.assert_problem(409, "request-in-progress");
+    assert_eq!(fx.store.purge_expired(10).await.unwrap(), 0);
+    fx.script.release.notify_one();
+    let first = read(first.await.unwrap().unwrap()).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 1);
+    fx.cleanup().await;
+}
+
+/// A step that works longer than the lease keeps the lease: at `READ COMMITTED` the renewals
+/// go on while it works (nothing locks the record), above it the phase's fence locks the
+/// record. A duplicate meanwhile gets `409`, and the owner's answer is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_longer_than_the_lease_keeps_the_key() {
+    let fx = Fx::new().await;
+    let lease = Duration::from_millis(1500);
+    let app = fx.app(fx.store.phased(), lease);
+    let first = tokio::spawn(app(req("POST", "/long-step", Some("l"), "{}")));
+    tokio::time::sleep(LONG_STEP - Duration::from_millis(1000)).await;
+    let dup = app(req("POST", "/long-step", Some("l"), "{}")).await;
+    assert_eq!(dup.status, 409, "{}", dup.text());
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(
+        app(req("POST", "/long-step", Some("l"), "{}"))
+            .await
+            .replayed()
+    );
     assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 1);
     fx.cleanup().await;
 }

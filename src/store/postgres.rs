@@ -337,7 +337,8 @@ impl PostgresStore {
     /// - its history table, `tower_idempotency_migrations`: each migration applied, with the
     ///   SHA-256 of its SQL.
     ///
-    /// The schema is one migration, `migrations/0001_schema.sql` (version 1).
+    /// The schema is made by the files of `migrations/`, applied in order: `0001_schema.sql`
+    /// (version 1), then `0002_phase_leases.sql` (version 2: the phase statements' leases).
     ///
     /// # Databases migrated by earlier builds
     ///

@@ -44,7 +44,14 @@ use sqlx::PgPool;
 use crate::error::StoreError;
 
 /// The crate's migrations, applied in order by [`migrate`]: version, description, SQL.
-const MIGRATIONS: &[(i64, &str, &str)] = &[SCHEMA];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    SCHEMA,
+    (
+        2,
+        "phase leases",
+        include_str!("../../../migrations/0002_phase_leases.sql"),
+    ),
+];
 
 /// The schema, version 1: what a schema that ran [`OLD_MIGRATIONS`] is brought to.
 const SCHEMA: (i64, &str, &str) = (

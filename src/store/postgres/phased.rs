@@ -89,10 +89,15 @@
 //! # Isolation levels
 //!
 //! Each phase's transaction has the connection's default isolation level, or the one
-//! [`Phased::with_isolation`] sets. The fence statement that opens a phase locks the key's
-//! record before anything else, so no lease renewal can commit between the phase's snapshot
-//! and its update of the record; the layer's statements add no serialization failures of
-//! their own at any level.
+//! [`Phased::with_isolation`] sets. At `READ COMMITTED` a phase locks the key's record only
+//! with its last statement, just before its commit, and the lease is renewed while it works.
+//! At `REPEATABLE READ` and `SERIALIZABLE` the fence statement that opens a phase locks the
+//! record and extends the lease before anything else, so no renewal can commit between the
+//! phase's snapshot and its update of the record, and none is tried until the phase ends
+//! (no other request can take the locked record over meanwhile). Either way a phase that
+//! works longer than the lease keeps the key, and each step's commit extends the lease, and
+//! the record's life with it, from the moment it commits. The layer's statements add no
+//! serialization failures of their own at any level.
 //!
 //! # Connections
 //!

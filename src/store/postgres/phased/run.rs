@@ -109,9 +109,9 @@ impl Drop for AbandonOnDrop {
     }
 }
 
-/// Renews the claim's lease every third of it while the handler runs; skipped while a
-/// phase's transaction holds the record (its fence extended the lease, and its lock keeps
-/// every other request out).
+/// Renews the claim's lease every third of it while the handler runs; skipped while a fenced
+/// phase's transaction holds the record locked (its fence extended the lease, and its lock
+/// keeps every other request out).
 async fn renew(phases: Phases) {
     let inner = &phases.inner;
     let period = inner.lease / 3;
@@ -341,6 +341,7 @@ impl Sealed for Phased {
                 resumed_after: recorded.last().map(|(name, _)| name.clone()),
                 recorded: SyncMutex::new(recorded),
                 row: Arc::new(Mutex::new(())),
+                steps: Mutex::new(()),
                 last: Mutex::new(None),
                 request: SyncMutex::new(kept_request),
                 uncertain: std::sync::atomic::AtomicBool::new(false),

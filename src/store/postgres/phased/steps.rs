@@ -92,9 +92,15 @@ pub(super) struct Inner {
     pub(super) resumed_after: Option<String>,
     /// Every committed step, oldest first: those found on the record, then this request's.
     pub(super) recorded: SyncMutex<Recorded>,
-    /// Held while a phase's transaction holds the key's record (renewals wait their turn:
-    /// the record is locked, and the phase's fence extended the lease).
+    /// Held while a fenced phase's transaction (`REPEATABLE READ`, `SERIALIZABLE`) holds the
+    /// key's record locked: renewals wait their turn (the phase's fence extended the lease,
+    /// and a renewal committed during the phase would fail its update of the record with a
+    /// serialization failure). A `READ COMMITTED` phase locks nothing until its commit, and
+    /// the renewals go on.
     pub(super) row: Arc<Mutex<()>>,
+    /// Held by a step from its look at the recorded steps to its commit: steps of one request
+    /// run one at a time, so a step of a name already committed never runs again.
+    pub(super) steps: Mutex<()>,
     /// The last phase's transaction, once opened.
     pub(super) last: Mutex<Option<LastTx>>,
     /// The request, encoded, to keep with the first step ([`Phased::with_resumable_requests`]);
@@ -109,7 +115,17 @@ pub(super) struct LastTx {
     pub(super) read_committed: bool,
     /// Opened by [`fence_batch`]: the record is found by the row id it kept.
     pub(super) fenced: bool,
-    pub(super) _row: OwnedMutexGuard<()>,
+    /// The record's lock, while a fenced transaction holds it.
+    pub(super) _row: Option<OwnedMutexGuard<()>>,
+}
+
+/// A phase's transaction, as [`Phases::open`] opened it.
+struct Opened {
+    tx: OpenTx,
+    /// Opened by [`fence_batch`].
+    fenced: bool,
+    read_committed: bool,
+    row: Option<OwnedMutexGuard<()>>,
 }
 
 impl std::fmt::Debug for Phases {
@@ -202,12 +218,17 @@ impl Phases {
         {
             return Err(PhaseError::Misuse("a step after the last phase was opened"));
         }
-        let _row = self.inner.row.lock().await;
-        // A step of the same name may have committed while this one waited for the record.
+        let _step = self.inner.steps.lock().await;
+        // A step of the same name may have committed while this one waited its turn.
         if let Some(done) = self.done(name) {
             return done;
         }
-        let (mut tx, fenced, _) = self.open().await?;
+        let Opened {
+            mut tx,
+            fenced,
+            row: _row,
+            ..
+        } = self.open().await?;
         let conn = tx.conn()?;
         let value = match work(conn).await {
             Ok(value) => value,
@@ -323,13 +344,12 @@ impl Phases {
             .try_lock()
             .map_err(|_| PhaseError::Unavailable)?;
         if last.is_none() {
-            let row = self.inner.row.clone().lock_owned().await;
-            let (tx, fenced, read_committed) = self.open().await?;
+            let opened = self.open().await?;
             *last = Some(LastTx {
-                tx,
-                read_committed,
-                fenced,
-                _row: row,
+                tx: opened.tx,
+                read_committed: opened.read_committed,
+                fenced: opened.fenced,
+                _row: opened.row,
             });
         }
         MutexGuard::try_map(last, |last| {
@@ -345,10 +365,12 @@ impl Phases {
         }
     }
 
-    /// Opens a phase's transaction (its caller holds `row`, so no renewal runs meanwhile):
-    /// plain `BEGIN` below `SERIALIZABLE`, else with the fence. Returns the transaction,
-    /// whether it is fenced, and whether it is `READ COMMITTED`.
-    async fn open<E>(&self) -> Result<(OpenTx, bool, bool), PhaseError<E>> {
+    /// Opens a phase's transaction. At `READ COMMITTED` a bare `BEGIN`: the phase's statements
+    /// on the record refuse a lost lease at its end (`NOT_HELD`), which rolls the phase back,
+    /// and renewals go on meanwhile. Above it, the fence, which locks the record and extends
+    /// the lease first, with `row` held until the transaction ends: a renewal committed
+    /// between the phase's snapshot and its update of the record would fail that update.
+    async fn open<E>(&self) -> Result<Opened, PhaseError<E>> {
         if self.inner.signal.is_lost() {
             return Err(PhaseError::LeaseLost);
         }
@@ -366,15 +388,18 @@ impl Phases {
             .find(|&level| level_code(level) == code)
         });
         match level {
-            Some(IsolationLevel::Serializable) => Ok((self.fence().await?, true, false)),
-            // A level below SERIALIZABLE: a bare `BEGIN`. The phase's statements on the record
-            // refuse a lost lease at its end (`NOT_HELD`), which rolls the phase back; a look
-            // at the token here would tell the handler sooner, for 100 µs of database CPU per
-            // request (BENCHMARKS.md).
-            Some(level) => {
+            // A look at the token here would tell the handler of a lost lease sooner, for
+            // 100 µs of database CPU per request (BENCHMARKS.md).
+            Some(IsolationLevel::ReadCommitted) => {
                 let (tx, _) = self.begin_with(self.inner.begin.to_owned()).await?;
-                Ok((tx, false, level == IsolationLevel::ReadCommitted))
+                Ok(Opened {
+                    tx,
+                    fenced: false,
+                    read_committed: true,
+                    row: None,
+                })
             }
+            Some(_) => self.fence().await,
             // The connections' default is not known yet: look (once per layer).
             None => {
                 let batch = begin_batch(self.inner.begin, self.held())?;
@@ -397,11 +422,16 @@ impl Phases {
                     self.lose();
                     return Err(PhaseError::LeaseLost);
                 }
-                if level == IsolationLevel::Serializable {
+                if level != IsolationLevel::ReadCommitted {
                     tx.rollback(None).await;
-                    return Ok((self.fence().await?, true, false));
+                    return self.fence().await;
                 }
-                Ok((tx, false, level == IsolationLevel::ReadCommitted))
+                Ok(Opened {
+                    tx,
+                    fenced: false,
+                    read_committed: true,
+                    row: None,
+                })
             }
         }
     }
@@ -426,8 +456,10 @@ impl Phases {
         Ok(opened)
     }
 
-    /// Opens a phase's transaction with its fence (`SERIALIZABLE`).
-    async fn fence<E>(&self) -> Result<OpenTx, PhaseError<E>> {
+    /// Opens a phase's transaction with its fence (`REPEATABLE READ`, `SERIALIZABLE`), holding
+    /// `row` (no renewal runs until the transaction ends).
+    async fn fence<E>(&self) -> Result<Opened, PhaseError<E>> {
+        let row = self.inner.row.clone().lock_owned().await;
         let store = &self.inner.store;
         let bound = self.inner.store_timeout;
         let batch = fence_batch(
@@ -451,7 +483,12 @@ impl Phases {
         })
         .await;
         match opened {
-            Ok((tx, true)) => Ok(tx),
+            Ok((tx, true)) => Ok(Opened {
+                tx,
+                fenced: true,
+                read_committed: false,
+                row: Some(row),
+            }),
             Ok((tx, false)) => {
                 tx.rollback(None).await;
                 self.lose();
