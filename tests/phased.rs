@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 use tower::util::BoxCloneService;
 use tower::{Layer, ServiceExt};
 use tower_idempotency::body::RequestBody;
+use tower_idempotency::phased::CompleterRun;
 use tower_idempotency::{
     IdempotencyLayer, IsolationLevel, PhaseError, Phased, Phases, PostgresStore, Store,
 };
@@ -62,6 +63,8 @@ struct Script {
     held_outcome: Arc<Mutex<Option<String>>>,
     /// `/kill-in-step` killed its step's connection (once).
     killed: Arc<std::sync::atomic::AtomicBool>,
+    /// Every request's credential has expired: the handler answers `401` before any phase.
+    expired: Arc<std::sync::atomic::AtomicBool>,
 }
 
 struct Fx {
@@ -149,6 +152,9 @@ impl Fx {
                     *res.status_mut() = status;
                     Ok::<_, std::io::Error>(res)
                 };
+                if script.expired.load(std::sync::atomic::Ordering::SeqCst) {
+                    return answer(StatusCode::UNAUTHORIZED, "credential expired".into());
+                }
                 if path == "/bare" {
                     // The layer's own statements alone: a step, a remote call, a last phase.
                     let step = phases
@@ -638,6 +644,113 @@ async fn the_completer_drives_an_abandoned_key_to_its_answer() {
         .await
         .unwrap();
     assert_eq!(again.found, 0);
+    fx.cleanup().await;
+}
+
+/// A record past its TTL is no one's to resume: the completer leaves it, and a request
+/// with its key is a new one. (Taken up as new, the re-run would run every committed step
+/// again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_leaves_a_record_past_its_ttl() {
+    let fx = Fx::new().await;
+    let phased = fx.store.phased().with_resumable_requests(64 * 1024);
+    let mut svc = fx.service(phased.clone(), LEASE);
+    let app = fx.app(phased.clone(), LEASE);
+    let first = app(req("POST", "/fail-after-charge", Some("e"), "{}")).await;
+    assert_eq!(first.status, 502);
+    sqlx::query(
+        "UPDATE tower_idempotency_keys SET expires_at = now() - interval '1 second', \
+         lease_expires_at = now() - interval '1 second'",
+    )
+    .execute(&fx.admin)
+    .await
+    .unwrap();
+    let run = phased
+        .complete_abandoned(&mut svc, Duration::ZERO, 10)
+        .await
+        .unwrap();
+    assert_eq!(run, CompleterRun::default(), "{run:?}");
+    assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 1);
+    assert_eq!(fx.provider.charges(), 1);
+    fx.cleanup().await;
+}
+
+/// The completer's re-run resumes the record it found or nothing: through an application
+/// whose scope comes out otherwise, or one that answers before the layer (a credential
+/// expired), nothing runs and the pass counts it failed, not completed; the record's phases
+/// stay, and the right application completes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_runs_a_request_only_against_the_record_it_found() {
+    let fx = Fx::new().await;
+    let phased = fx.store.phased().with_resumable_requests(64 * 1024);
+    let app = fx.app(phased.clone(), LEASE);
+    let first = app(req("POST", "/fail-after-charge", Some("r"), "{}")).await;
+    assert_eq!(first.status, 502);
+    let mut other_scope = fx.service_with(
+        IdempotencyLayer::new(phased.clone())
+            .with_lease(LEASE)
+            .with_scope(|_| Some("another-tenant".to_owned())),
+    );
+    let run = phased
+        .complete_abandoned(&mut other_scope, Duration::ZERO, 10)
+        .await
+        .unwrap();
+    assert_eq!((run.found, run.completed, run.failed), (1, 0, 1), "{run:?}");
+    let mut refused = tower::service_fn(|_: Request<Full<Bytes>>| async {
+        let mut res = Response::new(Full::new(Bytes::new()));
+        *res.status_mut() = StatusCode::UNAUTHORIZED;
+        Ok::<_, std::io::Error>(res)
+    });
+    let run = phased
+        .complete_abandoned(&mut refused, Duration::ZERO, 10)
+        .await
+        .unwrap();
+    assert_eq!((run.found, run.completed, run.failed), (1, 0, 1), "{run:?}");
+    assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 1);
+    let mut svc = fx.service(phased.clone(), LEASE);
+    let run = phased
+        .complete_abandoned(&mut svc, Duration::ZERO, 10)
+        .await
+        .unwrap();
+    assert_eq!((run.found, run.completed, run.failed), (1, 1, 0), "{run:?}");
+    assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 1);
+    assert_eq!(fx.provider.charges(), 1);
+    fx.cleanup().await;
+}
+
+/// A re-run that the handler answers with a `4xx` (the kept request's credential expired)
+/// stores nothing over the committed steps: the client's retry, with a fresh credential,
+/// resumes them and gets the payment's answer, not a `401` replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completer_rerun_answered_4xx_stores_nothing_over_the_committed_steps() {
+    let fx = Fx::new().await;
+    let phased = fx.store.phased().with_resumable_requests(64 * 1024);
+    let mut svc = fx.service(phased.clone(), LEASE);
+    let app = fx.app(phased.clone(), LEASE);
+    let first = app(req("POST", "/fail-after-charge", Some("a"), "{}")).await;
+    assert_eq!(first.status, 502);
+    fx.script
+        .expired
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let run = phased
+        .complete_abandoned(&mut svc, Duration::ZERO, 10)
+        .await
+        .unwrap();
+    assert_eq!((run.found, run.completed, run.failed), (1, 0, 1), "{run:?}");
+    assert_eq!(
+        fx.scalar("SELECT count(*) FROM tower_idempotency_keys WHERE phases IS NOT NULL")
+            .await,
+        1,
+        "the committed steps stay"
+    );
+    fx.script
+        .expired
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let retry = app(req("POST", "/fail-after-charge", Some("a"), "{}")).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert!(!retry.replayed());
+    assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 1);
+    assert_eq!(fx.provider.charges(), 1);
     fx.cleanup().await;
 }
 

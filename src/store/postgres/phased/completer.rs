@@ -18,14 +18,35 @@ use crate::response::StoredResponse;
 use crate::store::sql::{Lit, fill};
 
 /// The records a completer runs again: in progress with recorded phases and a kept request,
-/// whose lease ran out more than `$1` ms ago (oldest first, at most `$2`; the partial index
-/// `tower_idempotency_keys_phased` finds them).
+/// whose lease ran out more than `$1` ms ago, and still within their TTL (oldest first, at
+/// most `$2`; the partial index `tower_idempotency_keys_phased` finds them). A record past
+/// its TTL is not resumed by anyone: a request with its key is a new one, which would run
+/// every committed step again.
 const ABANDONED: &str = "
-SELECT request FROM tower_idempotency_keys
+SELECT scope, key, request FROM tower_idempotency_keys
  WHERE phases IS NOT NULL AND request IS NOT NULL AND lease_token IS NOT NULL
    AND lease_expires_at < tower_idempotency_now() - $1::float8 * interval '1 millisecond'
+   AND expires_at > tower_idempotency_now()
  ORDER BY lease_expires_at
  LIMIT $2";
+
+/// Whether the record a re-run was for is completed now (`true`), held by a live lease
+/// (`false`), or neither (no row: still abandoned, or gone).
+const SETTLED: &str = "
+SELECT lease_token IS NULL AS completed FROM tower_idempotency_keys
+ WHERE scope = $1 AND key = $2
+   AND (lease_token IS NULL OR lease_expires_at > tower_idempotency_now())";
+
+/// Marks a request the completer runs again with the record it was kept on. The layer runs
+/// it only against that record: a request whose scope or key comes out otherwise (a
+/// credential expired, the scope or key settings changed) or whose record is no longer
+/// there (completed and purged, or expired) is not run, so a re-run can resume a record but
+/// never start a new one, which would run every committed step again.
+#[derive(Clone, Debug)]
+pub(crate) struct Resumption {
+    pub(crate) scope: String,
+    pub(crate) key: String,
+}
 
 /// Encodes the request to keep (`None` when larger than `max`): the method's and the URI's
 /// lengths and bytes, the headers (as [`StoredResponse::encode_headers`] writes them) with
@@ -85,12 +106,15 @@ fn decode_request(bytes: &[u8]) -> Result<(Method, Uri, HeaderMap, Bytes), Store
 pub struct CompleterRun {
     /// Abandoned keys found.
     pub found: usize,
-    /// Requests run again that were answered and stored (`2xx`, `4xx`).
+    /// Requests run again whose record is completed now: their answer is stored.
     pub completed: usize,
-    /// Requests run again that another request held meanwhile (`409`): a retry came.
+    /// Requests run again whose record another request holds (a retry came).
     pub taken: usize,
-    /// Requests run again that failed (`5xx`, an error of the service): their phases stay
-    /// for the next pass.
+    /// Requests run again whose record is neither completed nor held afterwards: the
+    /// request failed (`5xx`, an error of the service), or never reached its record (it was
+    /// answered before the layer, a credential having expired, or the layer found it another
+    /// scope, key or payload than its record's, or it answered `4xx`). Their phases stay for
+    /// the next pass.
     pub failed: usize,
 }
 
@@ -99,8 +123,16 @@ impl Phased {
     /// of keys abandoned mid-phase: a step committed, the lease ran out more than `grace`
     /// ago, and no retry came. Each request resumes after its last committed step, as a
     /// client's retry would, and its answer is stored for the client's retry to replay. At
-    /// most `batch` keys per pass. Only requests kept with
+    /// most `batch` keys per pass, and only records still within their TTL. Only requests
+    /// kept with
     /// [`with_resumable_requests`](Phased::with_resumable_requests) can be run again.
+    ///
+    /// A request run again resumes the record it was found on or nothing: the layer runs it
+    /// only when its scope and key come out as the record's and the record is still there to
+    /// take over (never as a new claim, which would run every committed step again). A `4xx`
+    /// it answers is not stored over the committed steps (the kept credential may have
+    /// expired): the client's retry resumes them. Each outcome is read from the record
+    /// afterwards, not from the answer's status.
     ///
     /// Each request is counted in the metric `tower_idempotency_completer_runs_total`
     /// (label `outcome`: `completed`, `taken`, `failed`; feature `metrics`) and logged.
@@ -136,6 +168,8 @@ impl Phased {
             ..CompleterRun::default()
         };
         for row in rows {
+            let scope: String = row.try_get("scope")?;
+            let key: String = row.try_get("key")?;
             let kept: Vec<u8> = row.try_get("request")?;
             let (method, uri, headers, body) = match decode_request(&kept) {
                 Ok(request) => request,
@@ -149,25 +183,59 @@ impl Phased {
             *request.method_mut() = method;
             *request.uri_mut() = uri;
             *request.headers_mut() = headers;
+            request.extensions_mut().insert(Resumption {
+                scope: scope.clone(),
+                key: key.clone(),
+            });
             let answered = async {
                 poll_fn(|cx| service.poll_ready(cx)).await?;
                 service.call(request).await
             };
-            let outcome = match answered.await {
-                Ok(response) if response.status() == StatusCode::CONFLICT => {
-                    run.taken += 1;
-                    "taken"
+            let status = match answered.await {
+                Ok(response) => Some(response.status()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "completer: the service failed");
+                    None
                 }
-                Ok(response) if response.status().is_server_error() => {
-                    run.failed += 1;
-                    "failed"
+            };
+            // The record tells what the re-run did, not the answer's status: a `4xx` may come
+            // from before the layer, a `2xx` from a replay of another record.
+            let settled = async {
+                let sql = fill(SETTLED, &[Lit::Text(&scope), Lit::Text(&key)])?;
+                let rows = sqlx::raw_sql(AssertSqlSafe(sql))
+                    .fetch_all(self.store.pool())
+                    .await
+                    .map_err(|e| self.store.error(e))?;
+                match rows.first() {
+                    Some(row) => Ok::<_, StoreError>(Some(row.try_get::<bool, _>("completed")?)),
+                    None => Ok(None),
                 }
-                Ok(_) => {
+            };
+            let settled = settled.await.unwrap_or_else(|e| {
+                tracing::warn!(
+                    error = &e as &dyn std::error::Error,
+                    "completer: could not read the record of a request run again"
+                );
+                None
+            });
+            let outcome = match settled {
+                Some(true) => {
                     run.completed += 1;
                     "completed"
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "completer: the service failed");
+                Some(false) => {
+                    run.taken += 1;
+                    "taken"
+                }
+                None => {
+                    if status.is_some_and(|s| !s.is_server_error()) {
+                        tracing::warn!(
+                            status = status.map(|s| s.as_u16()),
+                            "completer: the request run again did not reach its record (answered \
+                             before the layer, or its scope, key or payload came out otherwise); \
+                             its phases stay"
+                        );
+                    }
                     run.failed += 1;
                     "failed"
                 }

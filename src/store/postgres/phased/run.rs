@@ -18,6 +18,7 @@ use tower_service::Service;
 
 use crate::answer::{answer_taken, render, to_store};
 use crate::body::{RequestBody, ResponseBody};
+use crate::config::Config;
 use crate::error::{BoxError, StoreError};
 use crate::lease::Lease;
 use crate::mode::Sealed;
@@ -245,6 +246,21 @@ async fn complete_last(
     }
 }
 
+/// The answer to a request the completer runs again that cannot resume its record: `409`,
+/// and the handler does not run.
+fn not_resumed<B: Body>(config: &Config, why: &'static str) -> Response<ResponseBody<B>> {
+    tracing::warn!(
+        why,
+        "completer: a request run again was not run; its record's phases stay"
+    );
+    render(
+        config,
+        &Rejection::InFlight {
+            retry_after: Duration::from_secs(1),
+        },
+    )
+}
+
 // See `mode::private`: the sealed trait's method uses crate-private types by design.
 #[allow(private_interfaces)]
 impl Sealed for Phased {
@@ -273,6 +289,16 @@ impl Sealed for Phased {
             Ok(prepared) => prepared,
             Err(rejected) => return Ok(rejected),
         };
+        let resumption = parts.extensions.remove::<completer::Resumption>();
+        if let Some(resumption) = &resumption
+            && (resumption.scope != scope || resumption.key != key.as_str())
+        {
+            return Ok(not_resumed(
+                &config,
+                "its scope or key is not its record's (a credential or the layer's settings \
+                 changed)",
+            ));
+        }
         let kept_request = self
             .resumable
             .and_then(|max| completer::keep_request(&parts, &mut buffered, max));
@@ -302,6 +328,15 @@ impl Sealed for Phased {
             Ok(Err(taken)) => return Ok(answer_taken(&config, taken)),
             Err(e) => return Ok(unavailable(e, "claim a key; answered 503")),
         };
+        if resumption.is_some() && !takeover {
+            // The completer's record is gone (completed and purged, or expired): this claim
+            // is a new one, and running it would run every committed step again.
+            let release = store.release(&scope, &key, token);
+            if let Err(e) = store_call(Operation::Release, config.store_timeout, release).await {
+                log_store_error(&e, "release a key; it stays locked until its lease ends");
+            }
+            return Ok(not_resumed(&config, "its record is no longer there"));
+        }
         record(if takeover {
             Outcome::Takeover
         } else {
@@ -401,6 +436,19 @@ impl Sealed for Phased {
             abandon(&phases, notify).await;
             return Ok(response);
         };
+        if resumption.is_some() && stored.answer.status().is_client_error() {
+            // The completer's re-run of a kept request answered 4xx: most likely the kept
+            // credential has expired or the application changed, not the client's mistake.
+            // Stored, it would be replayed over the committed steps for the whole TTL; kept
+            // as they are, the client's retry resumes them.
+            tracing::warn!(
+                status = stored.answer.status().as_u16(),
+                "completer: a request run again answered 4xx; nothing stored, its committed \
+                 phases stay for the client's retry"
+            );
+            abandon(&phases, notify).await;
+            return Ok(response);
+        }
         let last = match phases.inner.last.try_lock() {
             Ok(mut last) => last.take(),
             Err(_) => {
