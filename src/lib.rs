@@ -404,10 +404,12 @@ pub mod problems {
     //! and is safe to retry with the same key.
     //!
     //! ## handler-timed-out
-    //! `503` with `Retry-After`: in transactional mode, the handler ran longer than the
-    //! layer's bound ([`Transactional::with_handler_timeout`](crate::Transactional::with_handler_timeout))
-    //! and was stopped; its transaction was rolled back, so nothing of it was committed, and
-    //! the key is free again. Safe to retry with the same key.
+    //! `503` with `Retry-After`: the handler ran longer than the layer's bound
+    //! ([`Transactional::with_handler_timeout`](crate::Transactional::with_handler_timeout),
+    //! [`Phased::with_handler_timeout`](crate::Phased::with_handler_timeout)) and was stopped;
+    //! its open transaction was rolled back (in transactional mode nothing of it was
+    //! committed; in phased mode the retry resumes after its committed steps), and the key is
+    //! free again. Safe to retry with the same key.
     //!
     //! ## missing-scope
     //! `401`: the layer requires a scope (the authenticated principal; see

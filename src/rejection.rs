@@ -67,9 +67,11 @@ pub enum Rejection {
     },
     /// `503`: the idempotency store could not be reached; the handler was not run.
     StoreUnavailable,
-    /// `503`: in transactional mode, the handler ran past
-    /// [`with_handler_timeout`](crate::Transactional::with_handler_timeout); it was stopped and
-    /// its transaction rolled back, so nothing of it was committed.
+    /// `503`: the handler ran past its bound
+    /// ([`Transactional::with_handler_timeout`](crate::Transactional::with_handler_timeout),
+    /// [`Phased::with_handler_timeout`](crate::Phased::with_handler_timeout)); it was stopped
+    /// and its open transaction rolled back (in transactional mode nothing of it was
+    /// committed; in phased mode its committed steps stay, and the retry resumes after them).
     HandlerTimedOut,
     /// `401`: the layer requires a scope
     /// ([`with_scope_required`](crate::IdempotencyLayer::with_scope_required)) and none could
@@ -181,7 +183,8 @@ impl Rejection {
                 "The request was not processed. It is safe to retry with the same key.".into()
             }
             Self::HandlerTimedOut => "The request ran longer than the server allows and was \
-                 rolled back: nothing of it was committed. It is safe to retry with the same key."
+                 stopped: its unfinished work was rolled back. It is safe to retry with the same \
+                 key."
                 .into(),
             Self::MissingScope => "The request was not processed: this operation needs an \
                  authenticated client. Authenticate, then retry with the same key."

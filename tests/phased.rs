@@ -259,6 +259,10 @@ impl Fx {
                     .execute(&mut *tx)
                     .await
                     .map_err(|e| PhaseError::Store(e.into()))?;
+                    if path == "/hang-last" && phases.recovery_point().is_none() {
+                        // Hangs in its last phase, its transaction open.
+                        std::future::pending::<()>().await;
+                    }
                     if path == "/abort-last" {
                         // A statement fails and the handler answers its own 409 anyway.
                         let _ = sqlx::query("SELECT 1/0").execute(&mut *tx).await;
@@ -819,6 +823,51 @@ async fn a_step_whose_commit_is_uncertain_keeps_its_claim_for_the_retry() {
     assert_eq!(retry.status, 201, "{}", retry.text());
     // The killed step never committed: the retry ran it, once.
     assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 1);
+    fx.cleanup().await;
+}
+
+/// A handler that hangs in its last phase is stopped at its bound: `503` with
+/// `handler-timed-out`, its last phase rolled back (the record unlocked), its step kept; the
+/// retry resumes after the step and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_past_its_bound_is_stopped_and_the_retry_resumes() {
+    let fx = Fx::new().await;
+    let app = fx.app(
+        fx.store
+            .phased()
+            .with_handler_timeout(Duration::from_millis(800)),
+        LEASE,
+    );
+    let first = tokio::time::timeout(
+        Duration::from_secs(20),
+        app(req("POST", "/hang-last", Some("h"), "{}")),
+    )
+    .await
+    .expect("the hung handler was never stopped");
+    first.assert_problem(503, "handler-timed-out");
+    assert_eq!(
+        fx.scalar("SELECT count(*) FROM payments WHERE status = 'charged'")
+            .await,
+        0,
+        "the last phase rolled back"
+    );
+    let mut retry = app(req("POST", "/hang-last", Some("h"), "{}")).await;
+    for _ in 0..20 {
+        if retry.status != 409 {
+            break;
+        }
+        // The stopped phase's connection is closed; the server may take a moment to end
+        // its transaction and its lock on the record.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        retry = app(req("POST", "/hang-last", Some("h"), "{}")).await;
+    }
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert_eq!(fx.scalar("SELECT count(*) FROM payments").await, 1);
+    assert_eq!(
+        fx.scalar("SELECT count(*) FROM payments WHERE status = 'charged'")
+            .await,
+        1
+    );
     fx.cleanup().await;
 }
 

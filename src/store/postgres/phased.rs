@@ -108,10 +108,11 @@
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU8;
+use std::time::Duration;
 
 use crate::mode::Mode;
 use crate::store::PostgresStore;
-use crate::transactional::IsolationLevel;
+use crate::transactional::{DEFAULT_HANDLER_TIMEOUT, IsolationLevel};
 
 /// A [`PostgresStore`] in phased mode; made by [`PostgresStore::phased`]. Use it as the
 /// layer's store: `IdempotencyLayer::new(store.phased())`. See [`crate::phased`].
@@ -124,6 +125,8 @@ pub struct Phased {
     default_level: Arc<AtomicU8>,
     /// The largest request kept for a completer ([`Phased::with_resumable_requests`]).
     resumable: Option<usize>,
+    /// The longest a handler may run ([`Phased::with_handler_timeout`]).
+    handler_timeout: Option<Duration>,
 }
 
 /// [`Phased::default_level`] before a phase found the level.
@@ -158,6 +161,7 @@ impl PostgresStore {
             isolation: None,
             default_level: Arc::new(AtomicU8::new(LEVEL_UNKNOWN)),
             resumable: None,
+            handler_timeout: Some(DEFAULT_HANDLER_TIMEOUT),
         }
     }
 }
@@ -186,6 +190,26 @@ impl Phased {
     /// table until the key completes. Turn this on only where that is acceptable.
     pub fn with_resumable_requests(mut self, max_bytes: usize) -> Self {
         self.resumable = Some(max_bytes);
+        self
+    }
+
+    /// The longest a handler may run, from the claim to its answer's last byte (default
+    /// [`DEFAULT_HANDLER_TIMEOUT`], 30 s; `Duration::ZERO`: no bound).
+    ///
+    /// A handler that hangs in its last phase holds a pooled connection with a transaction
+    /// open, and locks: at `REPEATABLE READ` and `SERIALIZABLE` the key's record itself, so
+    /// every retry would get `409` until the process restarts. Past this bound the layer
+    /// stops the handler (drops its future, and the phase's transaction with it, which
+    /// Postgres rolls back), ends the claim and answers `503`
+    /// [`handler-timed-out`](crate::problems#handler-timed-out) with `Retry-After`. The steps
+    /// that committed stay, and the retry resumes after them; a step whose commit was under
+    /// way when the handler was stopped keeps the claim until its lease runs out (it may have
+    /// committed).
+    ///
+    /// Give the handler's remote calls timeouts shorter than this one: a remote call stopped
+    /// half-way is repeated by the retry, with its [derived key](crate::IdempotencyKey::derive).
+    pub fn with_handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = (!timeout.is_zero()).then_some(timeout);
         self
     }
 }

@@ -410,7 +410,7 @@ impl Sealed for Phased {
             let mut renewal = tokio::runtime::Handle::try_current()
                 .is_ok()
                 .then(|| Box::pin(renew(phases.clone())));
-            poll_fn(|cx| {
+            let run = poll_fn(|cx| {
                 if let Poll::Ready(done) = handled.as_mut().poll(cx) {
                     return Poll::Ready(done);
                 }
@@ -420,10 +420,26 @@ impl Sealed for Phased {
                     renewal = None;
                 }
                 Poll::Pending
-            })
-            .await
+            });
+            // The bound needs the runtime's timer too.
+            match self.handler_timeout {
+                Some(bound) if tokio::runtime::Handle::try_current().is_ok() => {
+                    tokio::time::timeout(bound, run).await.ok()
+                }
+                _ => Some(run.await),
+            }
+            // The handler's future is dropped here, with any `TxConn` it held.
         };
         guard.phases = None;
+        let Some(handled) = handled else {
+            tracing::warn!(
+                timeout = ?self.handler_timeout,
+                "idempotency: the handler ran past its time bound; stopped, its open phase \
+                 rolled back (its committed steps stay), answered 503"
+            );
+            abandon(&phases, notify).await;
+            return Ok(render(&config, &Rejection::HandlerTimedOut));
+        };
         let (mut response, stored) = match handled {
             Ok(handled) => handled,
             Err(e) => {
