@@ -342,7 +342,7 @@ run_level() {
             --test transactional --test postgres --test inbox --test model \
             --test cancellation --test round_trips --test payments_e2e --test scope --test consumer --test inbox_daily \
             --test connection_loss --test stalls --test wait --test phased --test jetstream_e2e \
-            --test migrations
+            --test migrations --test fault_matrix
 }
 levels_log="$(mktemp -d "${TMPDIR:-/tmp}/tower-idempotency-levels.XXXXXX")"
 on_exit+=("rm -rf '$levels_log'")

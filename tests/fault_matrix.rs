@@ -1,7 +1,8 @@
-//! The fault matrix: every statement boundary of a keyed request's path through the Postgres
-//! store, struck with each fault (the connection cut before the statement reaches the server,
-//! cut after the server executed it, its answer stalled past the store's timeout, the
-//! request's future dropped while it is in flight), then retried as a client would.
+//! The fault matrix: every statement boundary of a Postgres path (a keyed request in each
+//! mode, a completer's pass, a consumer's delivery), struck with each fault (the connection
+//! cut before the statement reaches the server, cut after the server executed it, its answer
+//! stalled past the store's timeout, the future dropped while it is in flight), then retried
+//! as a client would, or redelivered as a broker would.
 //!
 //! The boundaries are not written down here: a run without faults records them
 //! (`support::wire`), and every cell strikes at one. Each cell asserts the invariant:
@@ -11,7 +12,9 @@
 //! - no committed answer is lost: once a retry gets the success, a further retry replays
 //!   it byte for byte, and a success the first attempt already showed its client is the one
 //!   replayed;
-//! - nothing hangs: every request answers within a bound.
+//! - nothing hangs: every request answers within a bound;
+//! - a message whose work committed is a duplicate at its next delivery, and its work
+//!   committed exactly once.
 //!
 //! Plain mode promises less where the fault hits the completion (the answer could not be
 //! stored: the key waits for its lease and the retry runs the handler again, as after a crash
@@ -36,7 +39,10 @@ use tokio::sync::Semaphore;
 use tower::util::BoxCloneSyncService as BoxCloneService;
 use tower::{Layer, ServiceExt};
 use tower_idempotency::body::RequestBody;
-use tower_idempotency::{IdempotencyLayer, IdempotentTx, PhaseError, Phases, PostgresStore};
+use tower_idempotency::inbox::{Consumer, Inbox, Message, Outcome as ConsumerOutcome};
+use tower_idempotency::{
+    IdempotencyLayer, IdempotentTx, PhaseError, Phased, Phases, PostgresStore,
+};
 
 /// The store's timeout in every cell; stalls outlast it.
 const STORE_TIMEOUT: Duration = Duration::from_millis(400);
@@ -53,7 +59,24 @@ enum Mode {
     Plain,
     Transactional,
     Phased,
+    /// A phased request abandoned after its first step (it answered `502`), then a pass of
+    /// the completer: the pass is the path struck.
+    Completer,
+    /// `Consumer::deliver`: a leased claim, the provider's charge with no transaction open,
+    /// then the work's write committed with the message's ID.
+    Deliver,
+    /// `Consumer::process`: the ID recorded and the work's write in one transaction.
+    Process,
 }
+
+impl Mode {
+    fn consumes(self) -> bool {
+        matches!(self, Mode::Deliver | Mode::Process)
+    }
+}
+
+/// The message every consumer cell delivers.
+const MESSAGE_ID: &str = "msg-1";
 
 const FAULTS: [Fault; 4] = [
     Fault::CutBefore,
@@ -87,12 +110,17 @@ impl Provider {
 }
 
 struct Cell {
+    mode: Mode,
     schema: PgSchema,
     admin: PgPool,
     store: PostgresStore,
     proxy: WireProxy,
     provider: Provider,
     svc: Svc,
+    phased: Phased,
+    consumer: Consumer,
+    /// The statements the proxy saw before the struck path began (the completer's setup).
+    setup: usize,
 }
 
 impl Cell {
@@ -126,17 +154,79 @@ impl Cell {
             )
             .await
             .unwrap();
-        let store = PostgresStore::new(pool);
+        let store = PostgresStore::new(pool.clone());
         let provider = Provider::default();
-        let svc = service(mode, &store, &admin, &provider);
-        Cell {
+        let phased = store.phased().with_resumable_requests(64 * 1024);
+        let svc = service(mode, &store, &phased, &admin, &provider);
+        let consumer = Consumer::new(Inbox::new(pool), "matrix")
+            .unwrap()
+            .with_lease(LEASE)
+            .unwrap();
+        let mut cell = Cell {
+            mode,
             schema,
             admin,
             store,
             proxy,
             provider,
             svc,
+            phased,
+            consumer,
+            setup: 0,
+        };
+        if mode == Mode::Completer {
+            // Abandoned after its first step: the completer's to finish.
+            let first = cell.send().await.unwrap();
+            assert_eq!(first.status, 502, "the completer's setup: {}", first.text());
+            // The claim ended at the 502; the completer takes what ended before its pass.
+            cell.schema.advance_clock(Duration::from_secs(1)).await;
+            cell.setup = cell.proxy.seen().len();
         }
+        cell
+    }
+
+    /// The HTTP path struck, once: a request, or a pass of the completer (no client sees its
+    /// answers: as a request whose client went away).
+    async fn attempt(&self) -> Result<Answer, String> {
+        if self.mode != Mode::Completer {
+            return self.send().await;
+        }
+        let mut svc = self.svc.clone();
+        let pass = self.phased.complete_abandoned(&mut svc, Duration::ZERO, 10);
+        match tokio::time::timeout(BOUND, pass).await {
+            Ok(_) => Err("dropped".to_owned()),
+            Err(_) => Err(format!("the completer's pass hung past {BOUND:?}")),
+        }
+    }
+
+    /// One delivery of the message through the consumer.
+    async fn deliver(&self) -> Result<ConsumerOutcome<i64>, String> {
+        let message = Message::new(Some(MESSAGE_ID));
+        let insert = async |conn: &mut sqlx::PgConnection, charge: String| {
+            sqlx::query_scalar(
+                "INSERT INTO payments (status, charge) VALUES ('charged', $1) RETURNING id",
+            )
+            .bind(charge)
+            .fetch_one(conn)
+            .await
+        };
+        let outcome = match self.mode {
+            Mode::Deliver => {
+                let provider = self.provider.clone();
+                let remote = async move || {
+                    Ok::<_, sqlx::Error>(provider.charge(&format!("{MESSAGE_ID}:charge")))
+                };
+                let call = self.consumer.deliver(&message, remote, insert);
+                tokio::time::timeout(BOUND, call).await
+            }
+            _ => {
+                let call = self
+                    .consumer
+                    .process(&message, async |conn| insert(conn, "none".into()).await);
+                tokio::time::timeout(BOUND, call).await
+            }
+        };
+        outcome.map_err(|_| format!("no outcome within {BOUND:?}"))
     }
 
     async fn scalar(&self, sql: &str) -> i64 {
@@ -168,7 +258,13 @@ impl Cell {
 
 /// The layer in `mode` over a payment handler: a pending payment row, the provider's charge,
 /// then the row charged and `201`.
-fn service(mode: Mode, store: &PostgresStore, admin: &PgPool, provider: &Provider) -> Svc {
+fn service(
+    mode: Mode,
+    store: &PostgresStore,
+    phased: &Phased,
+    admin: &PgPool,
+    provider: &Provider,
+) -> Svc {
     let admin = admin.clone();
     let provider = provider.clone();
     let handler = tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
@@ -220,7 +316,7 @@ fn service(mode: Mode, store: &PostgresStore, admin: &PgPool, provider: &Provide
                     };
                     answer(StatusCode::CREATED, format!(r#"{{"payment":{id}}}"#))
                 }
-                Mode::Phased => {
+                Mode::Phased | Mode::Completer => {
                     let phases = req.extensions().get::<Phases>().unwrap().clone();
                     // A handler that tries a failed step once more, as a retry-on-transient-
                     // error helper would: a step whose commit was uncertain must not run again.
@@ -251,6 +347,11 @@ fn service(mode: Mode, store: &PostgresStore, admin: &PgPool, provider: &Provide
                         Ok(charge) => charge,
                         Err(e) => return answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
                     };
+                    if mode == Mode::Completer && phases.recovery_point().is_none() {
+                        // The first attempt's provider answer is lost: abandoned after its
+                        // steps, for the completer.
+                        return answer(StatusCode::BAD_GATEWAY, "provider answer lost".into());
+                    }
                     let last = async {
                         let mut tx = phases.tx().await?;
                         sqlx::query(
@@ -271,11 +372,12 @@ fn service(mode: Mode, store: &PostgresStore, admin: &PgPool, provider: &Provide
                         Err(e) => answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
                     }
                 }
+                Mode::Deliver | Mode::Process => answer(StatusCode::NOT_FOUND, String::new()),
             }
         }
     });
     match mode {
-        Mode::Plain => {
+        Mode::Plain | Mode::Deliver | Mode::Process => {
             BoxCloneService::new(configure(IdempotencyLayer::new(store.clone())).layer(handler))
         }
         Mode::Transactional => BoxCloneService::new(
@@ -283,6 +385,9 @@ fn service(mode: Mode, store: &PostgresStore, admin: &PgPool, provider: &Provide
         ),
         Mode::Phased => {
             BoxCloneService::new(configure(IdempotencyLayer::new(store.phased())).layer(handler))
+        }
+        Mode::Completer => {
+            BoxCloneService::new(configure(IdempotencyLayer::new(phased.clone())).layer(handler))
         }
     }
 }
@@ -301,17 +406,38 @@ fn configure<M>(layer: IdempotencyLayer<M>) -> IdempotencyLayer<M> {
         .with_cancel_on_disconnect(true)
 }
 
-/// The statement boundaries of the first request's path, from a run without faults.
+/// The statement boundaries of the struck path, from a run without faults.
 async fn boundaries(mode: Mode) -> Vec<Point> {
     let cell = Cell::new(mode).await;
-    let first = cell.send().await.unwrap();
-    assert_eq!(
-        first.status,
-        201,
-        "{mode:?} without faults: {}",
-        first.text()
-    );
-    let seen = cell.proxy.seen();
+    if mode.consumes() {
+        let outcome = cell.deliver().await.unwrap();
+        assert!(
+            matches!(outcome, ConsumerOutcome::Processed(_)),
+            "{mode:?} without faults: {outcome:?}"
+        );
+    } else if mode == Mode::Completer {
+        cell.attempt().await.unwrap_err();
+        let completed = cell
+            .scalar("SELECT count(*) FROM tower_idempotency_keys WHERE completed_at IS NOT NULL")
+            .await;
+        assert_eq!(
+            completed, 1,
+            "the completer without faults completed nothing"
+        );
+    } else {
+        let first = cell.send().await.unwrap();
+        assert_eq!(
+            first.status,
+            201,
+            "{mode:?} without faults: {}",
+            first.text()
+        );
+    }
+    let mut seen = cell.proxy.seen();
+    if mode == Mode::Completer {
+        // The pass alone, not the setup.
+        seen.drain(..cell.setup);
+    }
     cell.cleanup().await;
     seen
 }
@@ -319,24 +445,47 @@ async fn boundaries(mode: Mode) -> Vec<Point> {
 /// What one cell showed: whether its fault fired, and the invariant's verdict.
 struct Verdict {
     fired: bool,
-    first: u16,
+    first: String,
     retries: usize,
     outcome: Result<(), String>,
 }
 
-/// One cell: the fault at `point`, the first request, then retries until the success, then
-/// the checks.
+/// One cell: the fault at `point`, the first attempt (a request, a completer pass, a
+/// delivery), then retries (or redeliveries) until the success, then the checks.
 async fn strike(mode: Mode, point: Point, fault: Fault) -> Verdict {
     let cell = Cell::new(mode).await;
     cell.proxy.arm(point.clone(), fault);
+    if mode.consumes() {
+        let first = if fault == Fault::Hold {
+            tokio::select! {
+                outcome = cell.deliver() => outcome,
+                () = cell.proxy.hit() => Err("dropped".to_owned()),
+            }
+        } else {
+            cell.deliver().await
+        };
+        let fired = cell.proxy.fired();
+        cell.proxy.heal();
+        let outcome = check_delivery(&cell, mode, &first).await;
+        let verdict = Verdict {
+            fired,
+            first: match &first {
+                Ok(outcome) => outcome.result().to_owned(),
+                Err(e) => e.clone(),
+            },
+            retries: outcome.as_ref().map_or(0, |n| *n),
+            outcome: outcome.map(|_| ()),
+        };
+        cell.cleanup().await;
+        return verdict;
+    }
     let first = if fault == Fault::Hold {
-        let call = cell.send();
         tokio::select! {
-            answer = call => answer,
+            answer = cell.attempt() => answer,
             () = cell.proxy.hit() => Err("dropped".to_owned()),
         }
     } else {
-        cell.send().await
+        cell.attempt().await
     };
     let fired = cell.proxy.fired();
     // The future was dropped (or the fault is over): let held answers go, strike no more.
@@ -350,12 +499,64 @@ async fn strike(mode: Mode, point: Point, fault: Fault) -> Verdict {
     let outcome = check(&cell, mode, completion_lost, &first).await;
     let verdict = Verdict {
         fired,
-        first: first.as_ref().map_or(0, |a| a.status.as_u16()),
+        first: match &first {
+            Ok(answer) => answer.status.as_u16().to_string(),
+            Err(e) => e.clone(),
+        },
         retries: outcome.as_ref().map_or(0, |(n, _)| *n),
         outcome: outcome.map(|_| ()),
     };
     cell.cleanup().await;
     verdict
+}
+
+/// After a struck delivery, the broker's redeliveries until one is settled with an ack
+/// (at once after a failure, after the lease, the database clock moved past it, when the
+/// message is in progress), then one more, which must be a duplicate. The message's work
+/// must have committed exactly once (not lost, not twice), and the provider charged once.
+async fn check_delivery(
+    cell: &Cell,
+    mode: Mode,
+    first: &Result<ConsumerOutcome<i64>, String>,
+) -> Result<usize, String> {
+    let mut settled = match first {
+        Ok(outcome) => match outcome {
+            ConsumerOutcome::Processed(_) | ConsumerOutcome::Duplicate => true,
+            ConsumerOutcome::Failed { .. } | ConsumerOutcome::InProgress { .. } => false,
+            other => return Err(format!("first delivery: {other:?}")),
+        },
+        Err(e) if e == "dropped" => false,
+        Err(e) => return Err(format!("first delivery: {e}")),
+    };
+    let mut redeliveries = 0;
+    while !settled {
+        redeliveries += 1;
+        if redeliveries > 8 {
+            return Err("not settled after 8 redeliveries".into());
+        }
+        match cell.deliver().await? {
+            ConsumerOutcome::Processed(_) | ConsumerOutcome::Duplicate => settled = true,
+            ConsumerOutcome::InProgress { .. } => {
+                cell.schema
+                    .advance_clock(LEASE + Duration::from_secs(1))
+                    .await
+            }
+            ConsumerOutcome::Failed { .. } => tokio::time::sleep(Duration::from_millis(50)).await,
+            other => return Err(format!("redelivery: {other:?}")),
+        }
+    }
+    match cell.deliver().await? {
+        ConsumerOutcome::Duplicate => {}
+        other => return Err(format!("a delivery after the ack: {other:?}")),
+    }
+    let payments = cell.scalar("SELECT count(*) FROM payments").await;
+    if payments != 1 {
+        return Err(format!("the work committed {payments} times"));
+    }
+    if mode == Mode::Deliver && cell.provider.charges() != 1 {
+        return Err(format!("{} provider charges", cell.provider.charges()));
+    }
+    Ok(redeliveries)
 }
 
 async fn check(
@@ -516,6 +717,21 @@ async fn plain_mode_holds_at_every_statement_boundary() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactional_mode_holds_at_every_statement_boundary() {
     matrix(Mode::Transactional).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_holds_at_every_statement_boundary() {
+    matrix(Mode::Completer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumers_leased_delivery_holds_at_every_statement_boundary() {
+    matrix(Mode::Deliver).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumers_one_commit_delivery_holds_at_every_statement_boundary() {
+    matrix(Mode::Process).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
