@@ -18,7 +18,9 @@
 //! - the work returns `Ok` after a statement of it failed (it caught a unique violation,
 //!   say): Postgres aborted the transaction, so nothing can commit →
 //!   [`InboxError::Aborted`], and the redelivery runs it again. Recover from an expected
-//!   failure in a savepoint (`sqlx::Connection::begin` on the work's connection) instead.
+//!   failure in a savepoint (`sqlx::Connection::begin` on the work's connection: the inbox's
+//!   transaction is sqlx's own, so that makes a savepoint) instead. The connections of the
+//!   HTTP layer's transactional and phased modes are not: there, send `SAVEPOINT` in SQL.
 //!
 //! Any `default_transaction_isolation` works. Under `repeatable read` and `serializable`, a
 //! delivery whose snapshot was taken before a racing delivery of the same message committed

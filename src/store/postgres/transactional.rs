@@ -19,7 +19,9 @@
 //!   writes can commit. The layer rolls them back to a savepoint it set before the handler
 //!   ran, stores the handler's answer with the key, commits that, and gives the client the
 //!   handler's answer; a retry replays it. (Roll back to a savepoint of your own to keep
-//!   the writes made before the failure.)
+//!   the writes made before the failure: SQL `SAVEPOINT` and `ROLLBACK TO SAVEPOINT`, never
+//!   `sqlx::Connection::begin` on the request's connection, which would end the layer's
+//!   transaction; see [`IdempotentTx`].)
 //! - a concurrent duplicate gets `409` at once: the claim takes a transaction-scoped
 //!   advisory lock with `pg_try_advisory_xact_lock`, which never waits (also when its payload
 //!   differs: the first request's fingerprint is not visible before it commits, so the

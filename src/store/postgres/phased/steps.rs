@@ -38,8 +38,8 @@ pub enum PhaseError<E = Infallible> {
     #[error("the idempotency key's lease was lost to another request; nothing was committed")]
     LeaseLost,
     /// The work returned `Ok` but a statement of it had failed, which aborted the
-    /// transaction; nothing was committed. (Roll back to a savepoint of your own to go on
-    /// after an expected failure.)
+    /// transaction; nothing was committed. (Roll back to a savepoint of your own, set with
+    /// SQL `SAVEPOINT`, to go on after an expected failure.)
     #[error("the phase's transaction was aborted by a failed statement; nothing was committed")]
     Aborted,
     /// The recorded states of the key would take more than 64 KiB.
@@ -187,6 +187,14 @@ impl Phases {
     /// When an earlier attempt of the request committed this step, `work` does not run: the
     /// recorded state is returned. Names identify steps within a request: give each step its
     /// own.
+    ///
+    /// Never call `sqlx::Connection::begin` (or `Acquire::begin`) on `work`'s connection: the
+    /// layer opened the phase's transaction with its own `BEGIN`, which sqlx does not count, so
+    /// the `commit()` or `rollback()` of what sqlx returns, or its drop, ends the phase's
+    /// transaction, and the step's recovery point then commits apart from its writes (after a
+    /// rollback: recorded without them, so the retry skips work that never committed). For a
+    /// nested transaction, send `SAVEPOINT name`, `ROLLBACK TO SAVEPOINT name` and
+    /// `RELEASE SAVEPOINT name` yourself. The same holds for [`Phases::tx`]'s connection.
     ///
     /// # Errors
     ///

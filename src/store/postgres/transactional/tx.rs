@@ -25,6 +25,14 @@ use super::*;
 /// into your own `409`) and keep earlier writes, wrap the statement in a `SAVEPOINT` and roll
 /// back to it. If the handler answers after a failure without doing so, the layer rolls its
 /// writes back and stores the handler's answer on its own (see [`crate::transactional`]).
+///
+/// Never call `sqlx::Connection::begin` (or `Acquire::begin`) on this connection. The layer
+/// opened the transaction with its own `BEGIN`, which sqlx does not count, so sqlx sends a
+/// second `BEGIN` (Postgres only warns) and the `commit()` or `rollback()` of what it returns,
+/// or its drop, ends the *layer's* transaction: the key's record commits or rolls back in the
+/// middle of the handler, a duplicate can take the key over and run it again, and the
+/// statements after it run outside any transaction. For a nested transaction, send
+/// `SAVEPOINT name`, `ROLLBACK TO SAVEPOINT name` and `RELEASE SAVEPOINT name` yourself.
 #[derive(Clone)]
 pub struct IdempotentTx {
     pub(super) slot: Arc<Mutex<Option<OpenTx>>>,
@@ -34,7 +42,7 @@ pub struct IdempotentTx {
 }
 
 /// A borrowed connection inside the request's transaction; use `&mut *conn` as a sqlx
-/// executor.
+/// executor. Never `begin` a sqlx transaction on it: see [`IdempotentTx`].
 pub type TxConn<'a> = MappedMutexGuard<'a, PgConnection>;
 
 /// Why [`IdempotentTx::conn`] gave no connection.
