@@ -888,3 +888,87 @@ async fn grpc_trailers_commit_with_the_answer_and_unavailable_rolls_back() {
     );
     fx.cleanup().await;
 }
+
+/// Above `READ COMMITTED` the waiters are woken after the commit, in a statement of its own in
+/// the completion's message. When that wake-up fails, the request's answer stands and nothing
+/// stays open on the connection: the pool's next user runs its statements (no `25P02`).
+/// Transactional mode's completion and phased mode's last phase alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_up_that_fails_after_the_commit_leaves_the_pooled_connection_usable() {
+    let schema = PgSchema::new().await;
+    let admin = schema.direct_pool(2).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            schema
+                .connect_options()
+                .options([("default_transaction_isolation", "repeatable read")]),
+        )
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE payments (id bigserial PRIMARY KEY, note text NOT NULL); \
+         CREATE OR REPLACE FUNCTION tower_idempotency_wake(p_hash bigint) RETURNS void \
+         LANGUAGE plpgsql AS $$ BEGIN IF p_hash IS NOT NULL THEN \
+         RAISE EXCEPTION 'the wake-up fails'; END IF; END $$",
+    )
+    .execute(&admin)
+    .await
+    .unwrap();
+    let transactional = IdempotencyLayer::new(store.transactional()).layer(tower::service_fn(
+        |req: Request<RequestBody<Full<Bytes>>>| async move {
+            let tx = req.extensions().get::<IdempotentTx>().unwrap().clone();
+            sqlx::query("INSERT INTO payments (note) VALUES ('transactional')")
+                .execute(&mut *tx.conn().await.unwrap())
+                .await
+                .unwrap();
+            Ok::<_, std::io::Error>(Response::new(Full::new(Bytes::new())))
+        },
+    ));
+    let phased = IdempotencyLayer::new(store.phased()).layer(tower::service_fn(
+        |req: Request<RequestBody<Full<Bytes>>>| async move {
+            let phases = req
+                .extensions()
+                .get::<tower_idempotency::Phases>()
+                .unwrap()
+                .clone();
+            sqlx::query("INSERT INTO payments (note) VALUES ('phased')")
+                .execute(&mut *phases.tx().await.unwrap())
+                .await
+                .unwrap();
+            Ok::<_, std::io::Error>(Response::new(Full::new(Bytes::new())))
+        },
+    ));
+    let first = read(
+        transactional
+            .oneshot(req("POST", "/pay", Some("w-1"), "{}"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    tower_idempotency::Store::purge_expired(&store, 1)
+        .await
+        .unwrap();
+    let second = read(
+        phased
+            .oneshot(req("POST", "/pay", Some("w-2"), "{}"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(second.status, 200, "{}", second.text());
+    tower_idempotency::Store::purge_expired(&store, 1)
+        .await
+        .unwrap();
+    let (rows,): (i64,) = sqlx::query_as("SELECT count(*) FROM payments")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 2);
+    pool.close().await;
+    admin.close().await;
+    schema.drop_schema().await;
+}

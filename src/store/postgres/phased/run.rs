@@ -196,7 +196,11 @@ async fn complete_last(
     } = last;
     // At READ COMMITTED the completion wakes the waiters itself (its statement's snapshot sees
     // every registration); above it, the transaction's snapshot predates the waiters that
-    // registered while the handler ran: look for them after the commit.
+    // registered while the handler ran: look for them after the commit, in a statement of its
+    // own. After the COMMIT it runs in an implicit transaction of its own, whose snapshot is
+    // its statement's at any level, and which no error can leave open on the connection (an
+    // explicit `BEGIN` there would stay aborted, and go back to the pool so, were the
+    // wake-up to fail).
     let (wake_in, wake_after) = match notify {
         Some(hash) if read_committed => (Some(hash), None),
         other => (None, other),
@@ -204,9 +208,8 @@ async fn complete_last(
     let mut sql = complete_statement(phases.held(), ttl, stored, fenced, wake_in)?;
     sql.push_str("; COMMIT");
     if let Some(hash) = wake_after {
-        sql.push_str("; BEGIN ISOLATION LEVEL READ COMMITTED; ");
+        sql.push_str("; ");
         sql.push_str(&wake_statement(hash));
-        sql.push_str("; COMMIT");
     }
     // The completion and the COMMIT: an error reported after both (the wake-up's, or a
     // notification meant for a listener that a pooler's shared connection still carries)

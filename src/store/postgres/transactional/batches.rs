@@ -227,9 +227,12 @@ pub(super) fn completion_batch(
     // The completion and the commit.
     statements += 2;
     if let Some(hash) = after_commit {
-        sql.push_str("; BEGIN ISOLATION LEVEL READ COMMITTED; SELECT tower_idempotency_wake(");
-        sql.push_str(&hash.to_string());
-        sql.push_str("); COMMIT");
+        // A statement of its own after the COMMIT: an implicit transaction, whose snapshot is
+        // the statement's at any level and which no error can leave open on the connection
+        // (an explicit `BEGIN` there would stay aborted, and go back to the pool so, were the
+        // wake-up to fail).
+        sql.push_str("; ");
+        sql.push_str(&crate::store::listen::wake_statement(hash));
     }
     Ok(CompletionBatch {
         sql,
