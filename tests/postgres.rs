@@ -301,6 +301,26 @@ async fn functions_ignore_an_application_schema_ahead_on_the_search_path() {
         (from_now - ttl).abs() < 60.0,
         "the record expires {from_now} s from now, not after the TTL on the database's clock"
     );
+    // The purge deletes the store's expired records, never the application's rows of the
+    // table of the same name.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {app}.tower_idempotency_keys SELECT * FROM {s}.tower_idempotency_keys;
+         UPDATE {app}.tower_idempotency_keys SET expires_at = now() - interval '1 day';",
+        s = schema.name
+    )))
+    .execute(&setup)
+    .await
+    .unwrap();
+    let purged = PostgresStore::new(pool.clone())
+        .purge_expired(100)
+        .await
+        .unwrap();
+    assert_eq!(purged, 0);
+    assert_eq!(
+        count(format!("{app}.tower_idempotency_keys")).await,
+        1,
+        "the purge deleted the application's row"
+    );
     pool.close().await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {app} CASCADE")))
         .execute(&setup)

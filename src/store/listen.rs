@@ -47,10 +47,6 @@ fn register_statement(hash: i64) -> String {
     )
 }
 
-/// Deletes the registrations past their time.
-pub(crate) const PURGE_WAITING: &str =
-    "DELETE FROM tower_idempotency_waiting WHERE until <= tower_idempotency_now()";
-
 /// The wake-ups of one store (shared by its clones).
 pub(crate) struct PgNotifier {
     subscriber: Subscriber,

@@ -25,7 +25,7 @@ use sqlstate::*;
 use statements::*;
 use workload::Workload;
 
-use super::listen::{PURGE_WAITING, PgNotifier};
+use super::listen::PgNotifier;
 use super::sql::{append, push_bounds, push_execute};
 use super::{ClaimOutcome, ClaimRequest, KeyNotifier, KeyWatch, LeaseToken, Store};
 use crate::error::StoreError;
@@ -55,11 +55,13 @@ use crate::response::StoredResponse;
 /// own tool.
 ///
 /// The store's functions run with `search_path = pg_catalog, <their schema>, pg_temp`, and
-/// its statements written out in SQL name every table, function, operator and type with its
-/// schema: an application schema ahead on the connection's path (a table named like the
-/// store's, a `now()` of its own) cannot change what they read or write. The store finds its
-/// schema, and calls its functions, through the connection's path, so its schema must be on
-/// it.
+/// plain mode's statements written out in SQL and the purge name every table, function,
+/// operator and type with its schema: an application schema ahead on the connection's path
+/// (a table named like the store's, a `now()` of its own) cannot change what they read or
+/// write. The store finds its schema, and calls its functions, through the connection's path,
+/// so its schema must be on it; the other modes' and the inbox's statements find the store's
+/// tables through it too, so keep tables named `tower_idempotency_*` out of schemas ahead of
+/// the store's.
 ///
 /// # Round trips and clocks
 ///

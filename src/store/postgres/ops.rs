@@ -143,12 +143,13 @@ impl Store for PostgresStore {
 
     async fn purge_expired(&self, batch_size: usize) -> Result<u64, StoreError> {
         let batch = i64::try_from(batch_size.max(1)).unwrap_or(i64::MAX);
+        let rendered = self.rendered().await?;
         // The waiting duplicates' registrations past their time (few: one per key waited for).
-        self.execute(PURGE_WAITING, &[]).await?;
+        self.execute(&rendered.purge_waiting, &[]).await?;
         let mut deleted = 0;
         loop {
             let started = std::time::Instant::now();
-            let done = self.execute(PURGE, &[Lit::Int(batch)]).await?;
+            let done = self.execute(&rendered.purge, &[Lit::Int(batch)]).await?;
             deleted += done;
             if done < batch.unsigned_abs() {
                 return Ok(deleted);

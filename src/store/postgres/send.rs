@@ -72,10 +72,10 @@ impl PostgresStore {
         }
     }
 
-    /// The store's [`Bare`] statements with its schema written in, rendered at the first
-    /// statement sent prepared by name: the schema is the one of the function
+    /// The store's [`Bare`] statements and its purges with its schema written in, rendered
+    /// at the first of them sent: the schema is the one of the function
     /// `tower_idempotency_now()` that the connection's `search_path` finds.
-    async fn rendered(&self) -> Result<&Rendered, StoreError> {
+    pub(super) async fn rendered(&self) -> Result<&Rendered, StoreError> {
         self.rendered
             .get_or_try_init(|| async {
                 let schema = sqlx::raw_sql(SCHEMA_OF_THE_STORE)

@@ -74,6 +74,10 @@ pub(super) const BARE: [&Bare; 5] = [
 #[derive(Debug)]
 pub(super) struct Rendered {
     pub(super) statements: Vec<(String, String)>,
+    /// The purges of the store's expired records and of its waiters' registrations past
+    /// their time, its schema written in ([`PURGE`], [`PURGE_WAITING`]).
+    pub(super) purge: String,
+    pub(super) purge_waiting: String,
 }
 
 impl Rendered {
@@ -87,7 +91,11 @@ impl Rendered {
                 (text, name)
             })
             .collect();
-        Self { statements }
+        Self {
+            statements,
+            purge: PURGE.replace("{s}", schema),
+            purge_waiting: PURGE_WAITING.replace("{s}", schema),
+        }
     }
 
     /// The text and the name of `bare`.
@@ -279,14 +287,24 @@ pub(super) const RENEW: &str =
 /// batch, the pages of the rows the batches before deleted, which stay until a `VACUUM`: a
 /// backlog took quadratic time, and one batch could outlast the statement timeout
 /// (`tests/plans.rs`).
+///
+/// It names every table, function, operator and type with the store's schema (`{s}`) or
+/// `pg_catalog`, as the [`Bare`] statements do: an application's table named like the
+/// store's, ahead on the connection's path, is never the one purged.
 pub(super) const PURGE: &str = "
-DELETE FROM tower_idempotency_keys
- WHERE ctid = ANY (ARRAY(
-       SELECT ctid FROM tower_idempotency_keys
-        WHERE expires_at <= tower_idempotency_now()
+DELETE FROM {s}.tower_idempotency_keys
+ WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY(
+       SELECT ctid FROM {s}.tower_idempotency_keys
+        WHERE expires_at OPERATOR(pg_catalog.<=) {s}.tower_idempotency_now()
         ORDER BY expires_at
-        LIMIT $1
+        LIMIT $1::pg_catalog.int8
           FOR UPDATE SKIP LOCKED))";
+
+/// Deletes the waiting duplicates' registrations past their time, named as [`PURGE`] names
+/// its objects.
+pub(super) const PURGE_WAITING: &str = "
+DELETE FROM {s}.tower_idempotency_waiting
+ WHERE until OPERATOR(pg_catalog.<=) {s}.tower_idempotency_now()";
 
 #[cfg(test)]
 mod tests {
