@@ -23,12 +23,21 @@ use crate::store::sql::{Lit, fill};
 /// its TTL is not resumed by anyone: a request with its key is a new one, which would run
 /// every committed step again.
 const ABANDONED: &str = "
-SELECT scope, key, request FROM tower_idempotency_keys
+SELECT scope, key FROM tower_idempotency_keys
  WHERE phases IS NOT NULL AND request IS NOT NULL AND lease_token IS NOT NULL
    AND lease_expires_at < tower_idempotency_now() - $1::float8 * interval '1 millisecond'
    AND expires_at > tower_idempotency_now()
  ORDER BY lease_expires_at
  LIMIT $2";
+
+/// The kept request of one record [`ABANDONED`] found, read just before its re-run (one in
+/// memory at a time), while the record is still abandoned (a retry may have come since).
+const KEPT: &str = "
+SELECT request FROM tower_idempotency_keys
+ WHERE scope = $1 AND key = $2
+   AND phases IS NOT NULL AND request IS NOT NULL AND lease_token IS NOT NULL
+   AND lease_expires_at < tower_idempotency_now() - $3::float8 * interval '1 millisecond'
+   AND expires_at > tower_idempotency_now()";
 
 /// Whether the record a re-run was for is completed now (`true`), held by a live lease
 /// (`false`), or neither (no row: still abandoned, or gone).
@@ -108,7 +117,8 @@ pub struct CompleterRun {
     pub found: usize,
     /// Requests run again whose record is completed now: their answer is stored.
     pub completed: usize,
-    /// Requests run again whose record another request holds (a retry came).
+    /// Requests whose record another request holds (a retry came), or took or completed
+    /// between the search and the re-run.
     pub taken: usize,
     /// Requests run again whose record is neither completed nor held afterwards: the
     /// request failed (`5xx`, an error of the service), or never reached its record (it was
@@ -123,9 +133,18 @@ impl Phased {
     /// of keys abandoned mid-phase: a step committed, the lease ran out more than `grace`
     /// ago, and no retry came. Each request resumes after its last committed step, as a
     /// client's retry would, and its answer is stored for the client's retry to replay. At
-    /// most `batch` keys per pass, and only records still within their TTL. Only requests
-    /// kept with
-    /// [`with_resumable_requests`](Phased::with_resumable_requests) can be run again.
+    /// most `batch` keys per pass, one after the other, and only records still within their
+    /// TTL; each kept request is read just before its re-run, so a pass holds one in memory
+    /// at a time. Only requests kept with
+    /// [`with_resumable_requests`](Phased::with_resumable_requests) can be run again. Each
+    /// re-run is bounded by the layer's
+    /// [`with_handler_timeout`](Phased::with_handler_timeout) (with no bound there, a re-run
+    /// that hangs stops the pass).
+    ///
+    /// Give each keys table one completer per application: a completer runs what it finds
+    /// through its own `service`, and a request kept by another application (another router
+    /// on a shared table) does not reach its record there; it is counted `failed` and stays
+    /// for that application's completer or its client's retry.
     ///
     /// A request run again resumes the record it was found on or nothing: the layer runs it
     /// only when its scope and key come out as the record's and the record is still there to
@@ -170,7 +189,24 @@ impl Phased {
         for row in rows {
             let scope: String = row.try_get("scope")?;
             let key: String = row.try_get("key")?;
-            let kept: Vec<u8> = row.try_get("request")?;
+            let sql = fill(
+                KEPT,
+                &[
+                    Lit::Text(&scope),
+                    Lit::Text(&key),
+                    Lit::Int(crate::store::postgres::millis(grace)),
+                ],
+            )?;
+            let kept = sqlx::raw_sql(AssertSqlSafe(sql))
+                .fetch_optional(self.store.pool())
+                .await
+                .map_err(|e| self.store.error(e))?;
+            let Some(kept) = kept else {
+                // A retry took it, or completed it, since the search.
+                run.taken += 1;
+                continue;
+            };
+            let kept: Vec<u8> = kept.try_get("request")?;
             let (method, uri, headers, body) = match decode_request(&kept) {
                 Ok(request) => request,
                 Err(e) => {
