@@ -400,8 +400,10 @@ pub mod problems {
     //! store. Carries `original_status`. The request is not processed again.
     //!
     //! ## store-unavailable
-    //! `503` with `Retry-After`: the idempotency store failed; the request was not processed
-    //! and is safe to retry with the same key.
+    //! `503` with `Retry-After`: the idempotency store failed, before the request ran or
+    //! while its outcome was recorded (then it may have completed). It is safe to retry with
+    //! the same key: the retry replays the answer if the request completed, and runs it
+    //! otherwise.
     //!
     //! ## handler-timed-out
     //! `503` with `Retry-After`: the handler ran longer than the layer's bound

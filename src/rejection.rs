@@ -65,7 +65,9 @@ pub enum Rejection {
         /// The status the handler answered the first time.
         original_status: StatusCode,
     },
-    /// `503`: the idempotency store could not be reached; the handler was not run.
+    /// `503`: the idempotency store failed: before the handler ran (it did not run), or while
+    /// its answer was stored (a commit whose outcome is unknown: it may have landed). Either
+    /// way a retry with the same key is safe.
     StoreUnavailable,
     /// `503`: the handler ran past its bound
     /// ([`Transactional::with_handler_timeout`](crate::Transactional::with_handler_timeout),
@@ -180,7 +182,10 @@ impl Rejection {
                 original_status.as_u16()
             ),
             Self::StoreUnavailable => {
-                "The request was not processed. It is safe to retry with the same key.".into()
+                "The idempotency store failed, so the request's outcome could not be recorded. It is \
+                 safe to retry with the same key: a retry replays the answer if the request did \
+                 complete, and runs it otherwise."
+                    .into()
             }
             Self::HandlerTimedOut => "The request ran longer than the server allows and was \
                  stopped: its unfinished work was rolled back. It is safe to retry with the same \

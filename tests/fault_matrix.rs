@@ -570,6 +570,14 @@ async fn check(
     {
         return Err(format!("first request: {e}"));
     }
+    // A 503 after a fault may follow a commit that landed: it must not tell the client that
+    // nothing was done.
+    if let Ok(answer) = first
+        && answer.status == 503
+        && answer.text().contains("not processed")
+    {
+        return Err(format!("a 503 says the request was not processed: {}", answer.text()));
+    }
     // Retry as a client does: at once after a 5xx, after the lease (the database clock moved
     // past it) after a 409.
     let mut success = None;
