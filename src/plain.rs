@@ -127,6 +127,7 @@ where
                         key,
                         token,
                         claimed_at,
+                        lease: config.lease,
                         timeout: config.store_timeout,
                     },
                     parts,

@@ -124,7 +124,22 @@ struct Cell {
 }
 
 impl Cell {
+    /// A cell for `mode`, with the completer's setup run.
     async fn new(mode: Mode) -> Cell {
+        let mut cell = Cell::start(mode).await;
+        if mode == Mode::Completer {
+            // Abandoned after its first step: the completer's to finish.
+            let first = cell.send().await.unwrap();
+            assert_eq!(first.status, 502, "the completer's setup: {}", first.text());
+            // The claim ended at the 502; the completer takes what ended before its pass.
+            cell.schema.advance_clock(Duration::from_secs(1)).await;
+            cell.setup = cell.proxy.seen().len();
+        }
+        cell
+    }
+
+    /// A cell for `mode`, nothing sent yet.
+    async fn start(mode: Mode) -> Cell {
         let schema = PgSchema::new().await;
         // Migrated and inspected straight at the server: only the layer's path crosses the
         // proxy.
@@ -162,7 +177,7 @@ impl Cell {
             .unwrap()
             .with_lease(LEASE)
             .unwrap();
-        let mut cell = Cell {
+        Cell {
             mode,
             schema,
             admin,
@@ -173,16 +188,7 @@ impl Cell {
             phased,
             consumer,
             setup: 0,
-        };
-        if mode == Mode::Completer {
-            // Abandoned after its first step: the completer's to finish.
-            let first = cell.send().await.unwrap();
-            assert_eq!(first.status, 502, "the completer's setup: {}", first.text());
-            // The claim ended at the 502; the completer takes what ended before its pass.
-            cell.schema.advance_clock(Duration::from_secs(1)).await;
-            cell.setup = cell.proxy.seen().len();
         }
-        cell
     }
 
     /// The HTTP path struck, once: a request, or a pass of the completer (no client sees its
@@ -237,10 +243,16 @@ impl Cell {
     }
 
     async fn send(&self) -> Result<Answer, String> {
+        self.send_to("/pay").await
+    }
+
+    /// A request to `path` (plain mode's `/fail-once` answers `503` the first time, before
+    /// any effect).
+    async fn send_to(&self, path: &str) -> Result<Answer, String> {
         let call = self
             .svc
             .clone()
-            .oneshot(req("POST", "/pay", Some("k-1"), r#"{"amount":500}"#));
+            .oneshot(req("POST", path, Some("k-1"), r#"{"amount":500}"#));
         match tokio::time::timeout(BOUND, call).await {
             Ok(Ok(res)) => Ok(read(res).await),
             Ok(Err(e)) => Err(format!("service error: {e}")),
@@ -267,9 +279,11 @@ fn service(
 ) -> Svc {
     let admin = admin.clone();
     let provider = provider.clone();
+    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let handler = tower::service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
         let admin = admin.clone();
         let provider = provider.clone();
+        let failed = failed.clone();
         async move {
             let answer = |status: StatusCode, body: String| {
                 let mut res = Response::new(Full::new(Bytes::from(body)));
@@ -284,6 +298,11 @@ fn service(
                 .to_owned();
             match mode {
                 Mode::Plain => {
+                    if req.uri().path() == "/fail-once"
+                        && !failed.swap(true, std::sync::atomic::Ordering::SeqCst)
+                    {
+                        return answer(StatusCode::SERVICE_UNAVAILABLE, "not now".into());
+                    }
                     // The effect goes straight to the database, not through the store.
                     let id: i64 = match sqlx::query_scalar(
                         "INSERT INTO payments (status) VALUES ('charged') RETURNING id",
@@ -576,7 +595,10 @@ async fn check(
         && answer.status == 503
         && answer.text().contains("not processed")
     {
-        return Err(format!("a 503 says the request was not processed: {}", answer.text()));
+        return Err(format!(
+            "a 503 says the request was not processed: {}",
+            answer.text()
+        ));
     }
     // Retry as a client does: at once after a 5xx, after the lease (the database clock moved
     // past it) after a 409.
@@ -745,4 +767,63 @@ async fn a_consumers_one_commit_delivery_holds_at_every_statement_boundary() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn phased_mode_holds_at_every_statement_boundary() {
     matrix(Mode::Phased).await;
+}
+
+/// A request that answers `5xx` ends its claim so that the retry runs at once (plain mode
+/// releases the key; phased mode, here after a step, ends the lease and keeps the steps).
+/// When the store does not answer that statement (here: its connection cut before it reached
+/// the server), the claim is ended once the store answers again, not left to its lease: the
+/// retry runs within moments, not after the lease (the database clock stands still here, so
+/// the lease would never run out).
+async fn ended_once_the_store_answers(mode: Mode, path: &str, statement: &str) {
+    // The statement that ends the claim, as the wire names it.
+    let probe = Cell::start(mode).await;
+    let first = probe.send_to(path).await.unwrap();
+    assert!(first.status.is_server_error(), "{}", first.text());
+    let end = probe
+        .proxy
+        .seen()
+        .into_iter()
+        .find(|p| p.label.starts_with(statement))
+        .unwrap_or_else(|| panic!("no {statement} in {:?}", probe.proxy.seen()));
+    probe.cleanup().await;
+
+    let cell = Cell::start(mode).await;
+    cell.proxy.arm(end, Fault::CutBefore);
+    let first = cell.send_to(path).await.unwrap();
+    assert!(first.status.is_server_error(), "{}", first.text());
+    assert!(cell.proxy.fired());
+    let mut retry = cell.send_to(path).await.unwrap();
+    for _ in 0..50 {
+        if retry.status != 409 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        retry = cell.send_to(path).await.unwrap();
+    }
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert!(!retry.replayed());
+    assert_eq!(cell.scalar("SELECT count(*) FROM payments").await, 1);
+    assert_eq!(cell.provider.charges(), 1);
+    cell.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_the_store_could_not_make_is_made_once_it_answers_again() {
+    ended_once_the_store_answers(
+        Mode::Plain,
+        "/fail-once",
+        "SELECT tower_idempotency_plain_release",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_phased_claim_the_store_could_not_end_is_ended_once_it_answers_again() {
+    ended_once_the_store_answers(
+        Mode::Completer,
+        "/pay",
+        "WITH done AS (UPDATE tower_idempotency_keys",
+    )
+    .await;
 }

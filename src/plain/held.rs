@@ -63,6 +63,7 @@ async fn renew<St: Store>(held: Held<St>, lease: Duration, signal: Lease) {
         token,
         claimed_at,
         timeout,
+        ..
     } = held;
     let period = lease / 3;
     let mut confirmed = claimed_at;
@@ -110,6 +111,8 @@ pub(super) struct Held<St> {
     pub(super) token: LeaseToken,
     /// When the claim was sent: the lease runs from some moment after it.
     pub(super) claimed_at: Instant,
+    /// The claim's lease.
+    pub(super) lease: Duration,
     /// The layer's bound on one store call.
     pub(super) timeout: Duration,
 }
@@ -139,12 +142,49 @@ impl<St: Store> Held<St> {
         }
     }
 
+    /// Releases the key. When the store does not answer, tries again in the background
+    /// while the lease lasts: left to its lease, the key would turn every retry away with
+    /// `409` until it ran out, though the store may be back in a moment. (The release is
+    /// fenced by the token: a late one can free nothing but this claim.)
     pub(super) async fn release(self) {
+        if self.try_release(true).await {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            let deadline = self.claimed_at + self.lease;
+            let mut pause = Duration::from_millis(100);
+            while Instant::now() + pause < deadline {
+                tokio::time::sleep(pause).await;
+                if self.try_release(false).await {
+                    tracing::debug!("idempotency key released once the store answered again");
+                    return;
+                }
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+        });
+    }
+
+    /// One release; whether the store made it. A failure is logged (`loud`: as an error).
+    async fn try_release(&self, loud: bool) -> bool {
         let release = self.store.release(&self.scope, &self.key, self.token);
         match store_call(Operation::Release, self.timeout, release).await {
-            Ok(_) => tracing::debug!("idempotency key released"),
+            Ok(_) => {
+                tracing::debug!("idempotency key released");
+                true
+            }
+            Err(err) if loud => {
+                log_store_error(&err, "release a key; trying again while its lease lasts");
+                false
+            }
             Err(err) => {
-                log_store_error(&err, "release a key; it stays locked until its lease ends")
+                tracing::debug!(
+                    error = &err as &dyn std::error::Error,
+                    "idempotency: release a key; trying again while its lease lasts"
+                );
+                false
             }
         }
     }

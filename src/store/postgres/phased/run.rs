@@ -65,17 +65,58 @@ async fn abandon(phases: &Phases, notify: Option<i64>) {
             return;
         }
     }
-    let inner = &phases.inner;
-    let store = &inner.store;
-    if phases.recorded().is_empty() && !inner.uncertain.load(Ordering::Relaxed) {
-        let release = store.release(&inner.scope, &inner.key, inner.token);
-        match store_call(Operation::Release, inner.store_timeout, release).await {
-            Ok(_) => tracing::debug!("idempotency key released"),
-            Err(e) => log_store_error(&e, "release a key; it stays locked until its lease ends"),
-        }
+    let release = phases.recorded().is_empty() && !phases.inner.uncertain.load(Ordering::SeqCst);
+    if end_claim(phases, notify, release, true).await {
         return;
     }
-    // Steps committed: keep them for the retry, which takes the key over at once.
+    // The store did not answer. Left to its lease, the key would turn every retry away with
+    // `409` until it ran out, though the store may be back in a moment: go on trying in the
+    // background while the lease lasts (the statement is fenced by the token, so a late one
+    // can end nothing but this claim).
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let phases = phases.clone();
+    runtime.spawn(async move {
+        let deadline = Instant::now() + phases.inner.lease;
+        let mut pause = Duration::from_millis(100);
+        while Instant::now() + pause < deadline {
+            tokio::time::sleep(pause).await;
+            if end_claim(&phases, notify, release, false).await {
+                tracing::debug!("idempotency claim ended once the store answered again");
+                return;
+            }
+            pause = (pause * 2).min(Duration::from_secs(2));
+        }
+    });
+}
+
+/// Ends the claim: releases it (`release`: no step committed, none uncertain), or ends its
+/// lease and keeps its committed steps for the retry, which takes the key over at once.
+/// Whether the store did; a failure is logged (`loud`: as an error, else at debug).
+async fn end_claim(phases: &Phases, notify: Option<i64>, release: bool, loud: bool) -> bool {
+    let inner = &phases.inner;
+    let store = &inner.store;
+    let failed = |e: &StoreError, what: &'static str| {
+        if loud {
+            log_store_error(e, what);
+        } else {
+            tracing::debug!(error = e as &dyn std::error::Error, "idempotency: {what}");
+        }
+    };
+    if release {
+        let release = store.release(&inner.scope, &inner.key, inner.token);
+        return match store_call(Operation::Release, inner.store_timeout, release).await {
+            Ok(_) => {
+                tracing::debug!("idempotency key released");
+                true
+            }
+            Err(e) => {
+                failed(&e, "release a key; trying again while its lease lasts");
+                false
+            }
+        };
+    }
     let ended = async {
         let mut sql = yield_statement(phases.held())?;
         if let Some(hash) = notify {
@@ -88,8 +129,14 @@ async fn abandon(phases: &Phases, notify: Option<i64>) {
             .map_err(|e| store.error(e))
     };
     match store_call(Operation::Release, inner.store_timeout, ended).await {
-        Ok(_) => tracing::debug!("idempotency claim ended; its committed phases are kept"),
-        Err(e) => log_store_error(&e, "end a claim; it stays held until its lease ends"),
+        Ok(_) => {
+            tracing::debug!("idempotency claim ended; its committed phases are kept");
+            true
+        }
+        Err(e) => {
+            failed(&e, "end a claim; trying again while its lease lasts");
+            false
+        }
     }
 }
 
