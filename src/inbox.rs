@@ -71,6 +71,7 @@ mod dead;
 mod delivery;
 mod lease;
 mod order;
+mod transient;
 
 use commit::{
     commit_unless_aborted, commit_unless_aborted_by, commit_unless_finish_undone,
@@ -82,6 +83,7 @@ pub use dead::DeadLetter;
 pub use delivery::{Message, Outcome, Settle};
 pub use lease::{Claim, MessageLease};
 pub use order::Ordered;
+pub use transient::is_transient_database_error;
 
 use crate::error::StoreError;
 use crate::store::postgres::sqlstate::{IN_FAILED_TRANSACTION, SERIALIZATION_FAILURE, sqlstate_is};
