@@ -118,9 +118,10 @@ pub enum InboxError<E> {
     /// ([`Inbox::process_in_order`], [`MessageLease::commit_in_order`]).
     #[error("ordering keys must be 1 to 1024 bytes long")]
     InvalidOrderKey,
-    /// The message's day has no partition in a [`DailyInbox`]: it was first sent longer ago
-    /// than the retention (its ID may have been dropped), or further ahead than the
-    /// partitions made. Nothing ran. Park or log it; do not apply it without the inbox.
+    /// The message's day has no partition in a [`DailyInbox`], or lies below the first day
+    /// it keeps (a day it dropped once, which it never makes again): it was first sent
+    /// longer ago than the retention (its ID may have been dropped), or further ahead than
+    /// the partitions made. Nothing ran. Park or log it; do not apply it without the inbox.
     #[error("the message's day is outside the daily inbox's partitions; nothing was applied")]
     OutsideRetention,
     /// Another worker holds the message under a lease ([`Inbox::claim`]) that has not run
