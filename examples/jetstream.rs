@@ -40,7 +40,10 @@
 //!
 //! **Parking.** Every failed attempt is counted in the database; the one that reaches
 //! `MAX_DELIVER` parks the message. JetStream's own `max_deliver` is left unlimited, since a
-//! message it stops delivering is dropped without a trace.
+//! message it stops delivering is dropped without a trace. A failure of the ledger's statement
+//! that says nothing about the message (a serialization failure, a deadlock, a connection cut
+//! by a failover) is not counted: the work's error keeps the `sqlx::Error` as its source, where
+//! the consumer looks for it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -327,6 +330,23 @@ async fn handle(app: &App, config: &Config, lost_acks: &AtomicU32, message: jets
     }
 }
 
+/// The ledger's statement failed. Its source is the database's error, so that the consumer can
+/// tell a transient failure (not counted toward `MAX_DELIVER`) from one of the charge's own.
+#[derive(Debug)]
+struct LedgerRefused(sqlx::Error);
+
+impl std::fmt::Display for LedgerRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the ledger refused the charge: {}", self.0)
+    }
+}
+
+impl std::error::Error for LedgerRefused {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
 /// What the example refuses in a charge that parses.
 fn check(charge: &Charge) -> Result<(), String> {
     if charge.account.is_empty() || charge.account.len() > 200 {
@@ -349,9 +369,9 @@ async fn apply(app: &App, config: &Config, delivery: &Message<'_>, charge: &Char
     let provider = async || {
         tokio::time::sleep(delay).await;
         if amount > MAX_AMOUNT_CENTS {
-            return Err(format!(
+            return Err(Error::from(format!(
                 "the provider refuses charges above {MAX_AMOUNT_CENTS} cents"
-            ));
+            )));
         }
         Ok(())
     };
@@ -370,7 +390,7 @@ async fn apply(app: &App, config: &Config, delivery: &Message<'_>, charge: &Char
         .execute(tx)
         .await
         .map(drop)
-        .map_err(|e| format!("the ledger refused the charge: {e}"))
+        .map_err(|e| Error::from(LedgerRefused(e)))
     };
     app.consumer.deliver(delivery, provider, ledger).await
 }

@@ -71,14 +71,19 @@ mod dead;
 mod delivery;
 mod lease;
 mod order;
+mod transient;
 
-use commit::{commit_unless_aborted, commit_unless_aborted_by, take_over_an_expired_claim};
+use commit::{
+    commit_unless_aborted, commit_unless_aborted_by, commit_unless_finish_undone,
+    take_over_an_expired_claim,
+};
 pub use consumer::Consumer;
 pub use daily::{DailyInbox, Maintenance};
 pub use dead::DeadLetter;
 pub use delivery::{Message, Outcome, Settle};
 pub use lease::{Claim, MessageLease};
 pub use order::Ordered;
+pub use transient::is_transient_database_error;
 
 use crate::error::StoreError;
 use crate::store::postgres::sqlstate::{IN_FAILED_TRANSACTION, SERIALIZATION_FAILURE, sqlstate_is};
@@ -113,9 +118,10 @@ pub enum InboxError<E> {
     /// ([`Inbox::process_in_order`], [`MessageLease::commit_in_order`]).
     #[error("ordering keys must be 1 to 1024 bytes long")]
     InvalidOrderKey,
-    /// The message's day has no partition in a [`DailyInbox`]: it was first sent longer ago
-    /// than the retention (its ID may have been dropped), or further ahead than the
-    /// partitions made. Nothing ran. Park or log it; do not apply it without the inbox.
+    /// The message's day has no partition in a [`DailyInbox`], or lies below the first day
+    /// it keeps (a day it dropped once, which it never makes again): it was first sent
+    /// longer ago than the retention (its ID may have been dropped), or further ahead than
+    /// the partitions made. Nothing ran. Park or log it; do not apply it without the inbox.
     #[error("the message's day is outside the daily inbox's partitions; nothing was applied")]
     OutsideRetention,
     /// Another worker holds the message under a lease ([`Inbox::claim`]) that has not run
@@ -170,10 +176,20 @@ const RECORDED_STALE: i16 = 2;
 /// The default [`Inbox::with_lock_timeout`].
 const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Whether the ID is recorded, as the statement's transaction sees it.
+/// Whether the ID is recorded (processed, or held by a leased claim), as the statement's
+/// transaction sees it.
 const STILL_RECORDED: &str = "
 SELECT EXISTS (SELECT 1 FROM tower_idempotency_processed_messages
                 WHERE consumer = $1 AND message_id = $2)";
+
+/// Whether the ID is recorded as processed, as the statement's transaction sees it: the check
+/// before the commit of [`Inbox::process`]. Not a leased claim: when the transaction took over
+/// the claim of a worker that died, the claim's row was committed before it, so work that
+/// ended the transaction left that row behind, and only its lease token (not cleared now)
+/// tells that the takeover went with the transaction.
+const STILL_PROCESSED: &str = "
+SELECT EXISTS (SELECT 1 FROM tower_idempotency_processed_messages
+                WHERE consumer = $1 AND message_id = $2 AND lease_token IS NULL)";
 
 /// The message's row as a fresh statement sees it: processed (`leased` false), or held by a
 /// leased claim ([`Inbox::claim`]) and for how much longer (`lease_left_ms`, zero once the
@@ -373,10 +389,11 @@ impl Inbox {
         // A COMMIT in an aborted transaction rolls back and still succeeds (with the tag
         // ROLLBACK, which sqlx does not check), and sqlx does not expose the connection's
         // transaction status: ask the transaction before committing. In an aborted one this
-        // statement fails with 25P02; its answer says whether the ID is still in the
-        // transaction (work that ended the transaction itself took the ID with it). One
-        // round trip; sending it together with the COMMIT would mean a COMMIT behind the
-        // back of sqlx's transaction bookkeeping.
+        // statement fails with 25P02; its answer says whether the ID is still recorded as
+        // processed in the transaction (work that ended the transaction itself took the ID,
+        // or its takeover of a dead worker's claim, with it). One round trip; sending it
+        // together with the COMMIT would mean a COMMIT behind the back of sqlx's transaction
+        // bookkeeping.
         commit_unless_aborted(tx, consumer, message_id).await?;
         Ok(Delivery::Processed(Ordered::Applied(out)))
     }

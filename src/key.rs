@@ -179,6 +179,36 @@ impl IdempotencyKey {
         IdempotencyKey(derived.into())
     }
 
+    /// The key [`MessageId::derive`](crate::message_id::MessageId::derive) derives for
+    /// `purpose` in the scope whose [`scope_digest`](crate::scope_digest) is `scope_digest`
+    /// (not the shared scope's `""`): always the hashed form, `~sha256-` and the SHA-256 of a
+    /// domain tag, the scope's digest and the key, then `:` and the purpose (137 characters at
+    /// most).
+    ///
+    /// Distinct from every other scope's and from every key [`derive`](Self::derive) gives
+    /// (the shared scope's): the digest has a fixed length, so (scope, key) pairs never share
+    /// a hashed input; [`derive`](Self::derive)'s identity form never starts with `~sha256-`,
+    /// and its hashed form hashes a key alone, which can never equal the tagged input (the tag
+    /// holds a `NUL`, which no key does).
+    pub(crate) fn derive_in_scope(
+        &self,
+        scope_digest: &str,
+        purpose: &str,
+    ) -> Result<IdempotencyKey, KeyError> {
+        let purpose = Purpose::new(purpose)?;
+        let mut hash = Sha256::new();
+        hash.update(b"tower-idempotency scoped key\0");
+        hash.update(scope_digest.as_bytes());
+        hash.update(b"\0");
+        hash.update(self.0.as_bytes());
+        let derived = format!(
+            "{HASHED}{}:{}",
+            crate::hex::encode(&hash.finalize()),
+            purpose.as_str()
+        );
+        Ok(IdempotencyKey(derived.into()))
+    }
+
     /// A fresh key: 128 bits from the operating system's random source, as 32 lowercase hex
     /// digits (for calls that carry no key to derive from).
     pub(crate) fn random() -> Result<Self, getrandom::Error> {

@@ -467,15 +467,17 @@ async fn a_purge_drops_old_failure_counts_and_keeps_dead_letters() {
 /// Twenty messages of one key, each with an ID of its own, at positions in random order, sent
 /// at once through `send(consumer, id, position)`; each delivery is repeated while it is
 /// `Failed` by a serialization failure (under `SERIALIZABLE` the work's own statements may
-/// fail so, and the work's error is the application's, opaque to the consumer) or
-/// `InProgress`, as a broker would deliver it again. Every message ends `Processed` or
-/// `Stale`, and the positions applied only ever increase.
+/// fail so; the consumer counts none of them) or `InProgress`, as a broker would deliver it
+/// again. Every message ends `Processed` or `Stale` (never `Parked`), and the positions applied
+/// only ever increase.
 async fn race_on_one_key<F>(send: F)
 where
     F: AsyncFn(Consumer, String, i64) -> Outcome<i64>,
 {
     let (schema, inbox) = setup().await;
-    let consumer = consumer(&inbox).with_max_failures(u32::MAX).unwrap();
+    // The default limit of failures: a serialization failure of the work says nothing about
+    // the message, so it is never counted, and no message is parked however often it loses.
+    let consumer = Consumer::new(inbox.clone(), "charges").unwrap();
     let positions: Vec<i64> = (1..=20).map(|n| (n * 7919) % 23).collect();
     let outcomes = futures_util::future::join_all(positions.iter().map(|&position| {
         let (consumer, send) = (consumer.clone(), &send);
@@ -538,4 +540,184 @@ async fn racing_messages_of_one_key_through_deliver_never_apply_out_of_order() {
             .await
     })
     .await;
+}
+
+/// How one attempt of the work fails, in the database, the way contention and failovers make
+/// statements fail: a serialization failure, a deadlock, the connection's server process
+/// terminated (a failover, `pg_terminate_backend`), or a lock not granted in time.
+async fn fail_as(c: &mut PgConnection, how: &str) -> Result<(), sqlx::Error> {
+    let sql = match how {
+        "terminated" => "SELECT pg_terminate_backend(pg_backend_pid())".to_owned(),
+        code => format!("DO $$ BEGIN RAISE EXCEPTION 'as told' USING ERRCODE = '{code}'; END $$"),
+    };
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(c)
+        .await
+        .map(drop)
+}
+
+/// An application's error that keeps the database's as its source.
+#[derive(Debug)]
+struct LedgerError(sqlx::Error);
+
+impl std::fmt::Display for LedgerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the ledger failed")
+    }
+}
+
+impl std::error::Error for LedgerError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The default consumer (parked after 5 counted failures): work whose statements fail more
+/// often than that, each time in a way that says nothing about the message, is delivered
+/// again each time and applied in the end, through `process` and through `deliver`. A
+/// failure of the work's own is still counted.
+#[tokio::test]
+async fn transient_database_failures_of_the_work_are_retried_and_not_counted() {
+    let (schema, inbox) = setup().await;
+    let consumer = Consumer::new(inbox.clone(), "charges").unwrap();
+    // Six in a row, past the default limit of five; one wrapped in the application's error.
+    let failures = ["40001", "40P01", "terminated", "40001", "55P03", "wrapped"];
+    let attempt = async |c: &mut PgConnection, n: usize, position: i64| -> Result<i64, BoxError> {
+        match failures.get(n) {
+            Some(&"wrapped") => Err(LedgerError(fail_as(c, "40001").await.unwrap_err()).into()),
+            Some(how) => Err(fail_as(c, how).await.unwrap_err().into()),
+            None => Ok(apply(c, "acct", position).await?),
+        }
+    };
+    for (n, _) in failures.iter().enumerate() {
+        let processed = consumer
+            .process(
+                &Message::new(Some("m-process")).ordered("acct", 1),
+                async |c: &mut PgConnection| attempt(c, n, 1).await,
+            )
+            .await;
+        let delivered = consumer
+            .deliver(
+                &Message::new(Some("m-deliver")).ordered("acct", 2),
+                async || Ok::<_, BoxError>(()),
+                async |c: &mut PgConnection, ()| attempt(c, n, 2).await,
+            )
+            .await;
+        for outcome in [processed, delivered] {
+            assert!(
+                matches!(outcome, Outcome::Failed { attempts: 0, .. }),
+                "{}: {outcome:?}",
+                failures[n]
+            );
+            assert!(matches!(outcome.settle(), Settle::Retry(_)));
+        }
+    }
+    let failure_rows = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM tower_idempotency_message_failures")
+            .fetch_one(inbox.pool())
+            .await
+            .unwrap()
+    };
+    assert_eq!(failure_rows().await, 0, "no failure was counted");
+    let n = failures.len();
+    let processed = consumer
+        .process(
+            &Message::new(Some("m-process")).ordered("acct", 1),
+            async |c: &mut PgConnection| attempt(c, n, 1).await,
+        )
+        .await;
+    assert_eq!(processed, Outcome::Processed(1));
+    let delivered = consumer
+        .deliver(
+            &Message::new(Some("m-deliver")).ordered("acct", 2),
+            async || Ok::<_, BoxError>(()),
+            async |c: &mut PgConnection, ()| attempt(c, n, 2).await,
+        )
+        .await;
+    assert_eq!(delivered, Outcome::Processed(2));
+    assert_eq!(applied(&inbox).await, [1, 2]);
+    assert!(inbox.dead_letters("charges", 10).await.unwrap().is_empty());
+
+    // A failure that is the work's own (a constraint, here) is counted as before.
+    let counted = consumer
+        .process(
+            &Message::new(Some("m-bad")),
+            async |c: &mut PgConnection| fail_as(c, "23505").await.map_err(BoxError::from),
+        )
+        .await;
+    assert!(
+        matches!(counted, Outcome::Failed { attempts: 1, .. }),
+        "{counted:?}"
+    );
+    assert_eq!(failure_rows().await, 1);
+    done(schema, inbox).await;
+}
+
+/// The provider answers "busy" (a failure that says nothing about the message) more often
+/// than the limit: a consumer told so by its classifier retries it uncounted and applies the
+/// message in the end; the default classifier counts it and parks the message.
+#[tokio::test]
+async fn with_transient_classifies_the_applications_own_failures() {
+    #[derive(Debug)]
+    struct ProviderBusy;
+    impl std::fmt::Display for ProviderBusy {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("the provider is busy")
+        }
+    }
+    impl std::error::Error for ProviderBusy {}
+
+    let (schema, inbox) = setup().await;
+    let told = Consumer::new(inbox.clone(), "told")
+        .unwrap()
+        .with_transient(|e| {
+            e.downcast_ref::<ProviderBusy>().is_some()
+                || tower_idempotency::inbox::is_transient_database_error(e)
+        });
+    let default = Consumer::new(inbox.clone(), "default").unwrap();
+    let deliver = async |consumer: &Consumer, busy: bool| {
+        consumer
+            .deliver(
+                &Message::new(Some("m")),
+                async || {
+                    if busy {
+                        return Err(BoxError::from(ProviderBusy));
+                    }
+                    Ok(())
+                },
+                async |c: &mut PgConnection, ()| {
+                    apply(c, consumer.name(), 1).await?;
+                    // The classifier replaces the default one; this one keeps it.
+                    Ok::<_, BoxError>(())
+                },
+            )
+            .await
+    };
+    for _ in 0..6 {
+        let outcome = deliver(&told, true).await;
+        assert!(
+            matches!(&outcome, Outcome::Failed { attempts: 0, reason, .. } if reason == "the provider is busy"),
+            "{outcome:?}"
+        );
+    }
+    assert_eq!(deliver(&told, false).await, Outcome::Processed(()));
+    for attempts in 1..5 {
+        let outcome = deliver(&default, true).await;
+        assert!(
+            matches!(outcome, Outcome::Failed { attempts: a, .. } if a == attempts),
+            "{outcome:?}"
+        );
+    }
+    assert!(matches!(
+        deliver(&default, true).await,
+        Outcome::Parked { attempts: 5, .. }
+    ));
+    let keys: Vec<String> = sqlx::query_scalar("SELECT key FROM applied ORDER BY n")
+        .fetch_all(inbox.pool())
+        .await
+        .unwrap();
+    assert_eq!(keys, ["told"]);
+    done(schema, inbox).await;
 }

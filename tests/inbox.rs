@@ -668,3 +668,141 @@ async fn twenty_concurrent_claims_acquire_once() {
     ));
     schema.drop_schema().await;
 }
+
+/// The lease's work ends the transaction itself (`ROLLBACK`, or `sqlx::Connection::begin` on
+/// its connection, whose end ends the inbox's transaction) and returns `Ok`. The claim's row
+/// is committed since the claim, so a check that only asks whether the row exists would say
+/// yes and the commit would answer `Ok` for work that never committed: the message would be
+/// acknowledged and lost. It must be `Aborted`, and the redelivery must do the work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_commit_whose_work_rolled_the_transaction_back_is_an_error() {
+    let (schema, inbox) = setup().await;
+    let lease = acquired(inbox.claim::<()>("charges", "m1", LEASE).await.unwrap());
+    let rolled_back = lease
+        .commit(async |c: &mut PgConnection| {
+            charge(&mut *c, "m1", 5).await?;
+            sqlx::query("ROLLBACK").execute(&mut *c).await?;
+            Ok::<_, sqlx::Error>(5)
+        })
+        .await;
+    assert!(
+        matches!(rolled_back, Err(InboxError::Aborted)),
+        "{rolled_back:?}"
+    );
+    assert_eq!(ledger(&inbox).await, (0, 0), "nothing was committed");
+
+    // The same through an ordered commit (the statement that finishes the claim also moves
+    // the key's position).
+    let lease = acquired(inbox.claim::<()>("charges", "m2", LEASE).await.unwrap());
+    let rolled_back = lease
+        .commit_in_order("acct", 1, async |c: &mut PgConnection| {
+            charge(&mut *c, "m2", 7).await?;
+            sqlx::query("ROLLBACK").execute(&mut *c).await?;
+            Ok::<_, sqlx::Error>(7)
+        })
+        .await;
+    assert!(
+        matches!(rolled_back, Err(InboxError::Aborted)),
+        "{rolled_back:?}"
+    );
+    assert_eq!(ledger(&inbox).await, (0, 0));
+
+    // The work rolled back, then (still inside it) the lease ran out and another worker took
+    // the message over and committed its own work: the message is processed, but not by this
+    // work, whose result must not be reported as committed.
+    let first = acquired(inbox.claim::<()>("charges", "m3", LEASE).await.unwrap());
+    let other = inbox.clone();
+    let rolled_back = first
+        .commit(async move |c: &mut PgConnection| {
+            charge(&mut *c, "m3", 9).await?;
+            sqlx::query("ROLLBACK").execute(&mut *c).await?;
+            expire_leases(&other).await;
+            acquired(other.claim::<()>("charges", "m3", LEASE).await.unwrap())
+                .commit(async |c: &mut PgConnection| charge(c, "m3", 1).await)
+                .await
+                .unwrap();
+            Ok::<_, sqlx::Error>(9)
+        })
+        .await;
+    assert!(
+        matches!(rolled_back, Err(InboxError::Aborted)),
+        "{rolled_back:?}"
+    );
+    assert_eq!(ledger(&inbox).await, (1, 1), "only the other worker's work");
+
+    // Work that commits the transaction itself commits the finish of the claim with it: that
+    // is a commit, and it says so.
+    let lease = acquired(inbox.claim::<()>("charges", "m4", LEASE).await.unwrap());
+    let committed = lease
+        .commit(async |c: &mut PgConnection| {
+            charge(&mut *c, "m4", 2).await?;
+            sqlx::query("COMMIT").execute(&mut *c).await?;
+            Ok::<_, sqlx::Error>(2)
+        })
+        .await
+        .unwrap();
+    assert_eq!(committed, 2);
+    assert_eq!(ledger(&inbox).await, (2, 3));
+
+    // The redeliveries of the first two messages do the work (the failed commits' leases
+    // are released in the background).
+    for (id, amount) in [("m1", 5), ("m2", 7)] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match inbox.claim::<()>("charges", id, LEASE).await.unwrap() {
+                Claim::Acquired(lease) => {
+                    let got = lease
+                        .commit(async |c: &mut PgConnection| charge(c, id, amount).await)
+                        .await
+                        .unwrap();
+                    assert_eq!(got, amount);
+                    break;
+                }
+                Claim::InProgress { .. } if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                other => panic!("{id}: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(ledger(&inbox).await, (4, 15));
+    for id in ["m1", "m2", "m3", "m4"] {
+        assert!(matches!(
+            inbox.claim::<()>("charges", id, LEASE).await.unwrap(),
+            Claim::Duplicate
+        ));
+    }
+    schema.drop_schema().await;
+}
+
+/// `process` took over a claim whose worker died (its row committed, with the dead worker's
+/// token) and its work rolled the transaction back: the takeover went with it, the row is
+/// the dead claim again, and the delivery must be `Aborted`, not `Processed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn process_that_took_over_a_claim_and_whose_work_rolled_back_is_an_error() {
+    let (schema, inbox) = setup().await;
+    let dead = acquired(inbox.claim::<()>("c", "m4", LEASE).await.unwrap());
+    expire_leases(&inbox).await;
+    let rolled_back = inbox
+        .process("c", "m4", async |c: &mut PgConnection| {
+            charge(&mut *c, "m4", 3).await?;
+            sqlx::query("ROLLBACK").execute(&mut *c).await?;
+            Ok::<_, sqlx::Error>(3)
+        })
+        .await;
+    assert!(
+        matches!(rolled_back, Err(InboxError::Aborted)),
+        "{rolled_back:?}"
+    );
+    assert_eq!(ledger(&inbox).await, (0, 0));
+    let again = inbox
+        .process("c", "m4", async |c: &mut PgConnection| {
+            charge(c, "m4", 3).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, Delivery::Processed(3));
+    assert_eq!(ledger(&inbox).await, (1, 3));
+    drop(dead);
+    schema.drop_schema().await;
+}

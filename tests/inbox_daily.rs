@@ -214,3 +214,169 @@ async fn deliveries_go_on_while_old_days_are_dropped() {
     assert_eq!(ledger(&inbox).await, 220);
     done(schema, inbox).await;
 }
+
+/// The partitions' days, oldest first, as their names say (`YYYYMMDD`).
+async fn days(inbox: &DailyInbox) -> Vec<String> {
+    let mut days: Vec<String> = sqlx::query_scalar(
+        "SELECT right(c.relname::text, 8)
+           FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
+          WHERE i.inhparent = 'tower_idempotency_processed_messages_daily'::regclass",
+    )
+    .fetch_all(inbox.pool())
+    .await
+    .unwrap();
+    days.sort();
+    days
+}
+
+/// A day once dropped keeps its messages refused when the retention is raised: the longer
+/// retention must not make the dropped day again, empty, where a redelivery (a dead-letter
+/// replay, say) would be applied a second time.
+#[tokio::test]
+async fn a_dropped_day_stays_refused_when_the_retention_is_raised() {
+    let (schema, short) = setup(2).await;
+    short.maintain().await.unwrap();
+    let sent = at(NOON);
+    assert!(matches!(
+        apply(&short, "m1", sent).await.unwrap(),
+        Delivery::Processed(())
+    ));
+    set_clock(&short, NOON + 3 * DAY).await;
+    let dropped = short.maintain().await.unwrap();
+    assert!(dropped.dropped.iter().any(|p| p.ends_with("20261205")));
+    // The operator raises the retention to 10 days.
+    let long = DailyInbox::new(short.pool().clone(), Duration::from_secs(10 * DAY)).unwrap();
+    let raised = long.maintain().await.unwrap();
+    assert!(raised.created.is_empty(), "{raised:?}");
+    assert_eq!(
+        days(&long).await.first().map(String::as_str),
+        Some("20261207")
+    );
+    assert!(matches!(
+        apply(&long, "m1", sent).await,
+        Err(InboxError::OutsideRetention)
+    ));
+    // A message of a day that was dropped, never seen before: refused all the same, since
+    // nothing says it was not seen.
+    assert!(matches!(
+        apply(&long, "m2", at(NOON + DAY)).await,
+        Err(InboxError::OutsideRetention)
+    ));
+    assert_eq!(ledger(&long).await, 1);
+    // The retention grows from there on: days are kept longer, none comes back.
+    set_clock(&long, NOON + 6 * DAY).await;
+    let later = long.maintain().await.unwrap();
+    assert!(later.dropped.is_empty(), "{later:?}");
+    assert_eq!(
+        days(&long).await.first().map(String::as_str),
+        Some("20261207")
+    );
+    done(schema, short).await;
+}
+
+/// Two instances with different retentions (a rolling deploy, a mistake): whichever runs
+/// `maintain` after the other, a day the shorter one dropped is never made again by the
+/// longer one, and its messages are refused through both.
+#[tokio::test]
+async fn two_instances_with_different_retentions_never_bring_a_dropped_day_back() {
+    let (schema, short) = setup(2).await;
+    let long = DailyInbox::new(short.pool().clone(), Duration::from_secs(10 * DAY)).unwrap();
+    long.maintain().await.unwrap();
+    short.maintain().await.unwrap();
+    long.maintain().await.unwrap();
+    // The shorter one dropped the days past its retention, and the longer one did not make
+    // them again.
+    assert_eq!(
+        days(&long).await.first().map(String::as_str),
+        Some("20261204")
+    );
+    let sent = at(NOON);
+    assert!(matches!(
+        apply(&short, "m1", sent).await.unwrap(),
+        Delivery::Processed(())
+    ));
+    set_clock(&short, NOON + 3 * DAY).await;
+    // The longer one first: the message's day is still kept, a redelivery is a duplicate.
+    long.maintain().await.unwrap();
+    assert!(matches!(
+        apply(&long, "m1", sent).await.unwrap(),
+        Delivery::Duplicate
+    ));
+    // Then the shorter one drops it, and the longer one's next run does not bring it back.
+    let dropped = short.maintain().await.unwrap();
+    assert!(dropped.dropped.iter().any(|p| p.ends_with("20261205")));
+    let again = long.maintain().await.unwrap();
+    assert!(again.created.is_empty(), "{again:?}");
+    for inbox in [&long, &short] {
+        assert!(matches!(
+            apply(inbox, "m1", sent).await,
+            Err(InboxError::OutsideRetention)
+        ));
+    }
+    assert_eq!(ledger(&long).await, 1);
+    done(schema, short).await;
+}
+
+/// The database's clock jumps ahead (a bad NTP step, a VM restored) and back: the days the
+/// jump dropped stay dropped, and their messages refused. (Messages of today are refused too
+/// until the clock is past the jump's retention again: refused, never applied twice.)
+#[tokio::test]
+async fn a_clock_that_jumps_ahead_and_back_brings_no_dropped_day_back() {
+    let (schema, inbox) = setup(3).await;
+    inbox.maintain().await.unwrap();
+    let sent = at(NOON);
+    assert!(matches!(
+        apply(&inbox, "m1", sent).await.unwrap(),
+        Delivery::Processed(())
+    ));
+    set_clock(&inbox, NOON + 10 * DAY).await;
+    inbox.maintain().await.unwrap();
+    set_clock(&inbox, NOON).await;
+    let back = inbox.maintain().await.unwrap();
+    assert!(
+        back.created
+            .iter()
+            .all(|p| p.as_str() >= "tower_idempotency_processed_messages_daily_20261213"),
+        "{back:?}"
+    );
+    assert!(matches!(
+        apply(&inbox, "m1", sent).await,
+        Err(InboxError::OutsideRetention)
+    ));
+    assert_eq!(ledger(&inbox).await, 1);
+    done(schema, inbox).await;
+}
+
+/// A schema whose partitions were made and dropped by a build without the floor: upgraded,
+/// its first partition's day is the floor, so a longer retention set with the upgrade does
+/// not make the days before it again.
+#[tokio::test]
+async fn an_upgraded_schema_takes_its_first_partition_as_the_floor() {
+    let (schema, short) = setup(2).await;
+    short.maintain().await.unwrap();
+    assert_eq!(
+        days(&short).await.first().map(String::as_str),
+        Some("20261204")
+    );
+    // As a build without the floor left it: the partitions, no floor, no record of it.
+    sqlx::raw_sql(
+        "DROP TABLE tower_idempotency_daily_floor;
+         DELETE FROM tower_idempotency_migrations WHERE version = 3",
+    )
+    .execute(short.pool())
+    .await
+    .unwrap();
+    short.migrate().await.unwrap();
+    let long = DailyInbox::new(short.pool().clone(), Duration::from_secs(10 * DAY)).unwrap();
+    let upgraded = long.maintain().await.unwrap();
+    assert!(upgraded.created.is_empty(), "{upgraded:?}");
+    assert!(matches!(
+        apply(&long, "m1", at(NOON - 3 * DAY)).await,
+        Err(InboxError::OutsideRetention)
+    ));
+    assert!(matches!(
+        apply(&long, "m2", at(NOON - DAY)).await,
+        Ok(Delivery::Processed(()))
+    ));
+    done(schema, short).await;
+}

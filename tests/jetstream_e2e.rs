@@ -540,7 +540,7 @@ async fn a_republish_with_the_derived_message_id_is_applied_once() {
     let fx = Fixture::new().await;
     let ex = Example::start(&fx.env(&[]));
     let key = IdempotencyKey::parse("order-7f3a").unwrap();
-    let id = MessageId::derive(&key, "charge").unwrap();
+    let id = MessageId::derive("", &key, "charge").unwrap();
     let body = json!({"account": "acme", "amount_cents": 40, "sequence": 1}).to_string();
     let publish = async || {
         let mut headers = async_nats::HeaderMap::new();
@@ -570,5 +570,47 @@ async fn a_republish_with_the_derived_message_id_is_applied_once() {
         ex.account("acme").await,
         json!({"account": "acme", "balance_cents": 40, "charges": 1, "last_sequence": 1})
     );
+    fx.finish().await;
+}
+
+/// Two tenants send the same idempotency key (a key is unique only within its scope), and
+/// each handler publishes its charge with the ID derived in its tenant's scope: the stream
+/// keeps both publishes and the consumer applies both charges.
+#[tokio::test]
+async fn two_tenants_publishing_under_one_key_are_both_applied() {
+    use tower_idempotency::IdempotencyKey;
+    use tower_idempotency::message_id::{MessageId, NATS_MSG_ID};
+
+    let fx = Fixture::new().await;
+    let ex = Example::start(&fx.env(&[]));
+    let key = IdempotencyKey::parse("order-1").unwrap();
+    let mut ids = Vec::new();
+    for tenant in ["acme", "globex"] {
+        let id = MessageId::derive(tenant, &key, "charge").unwrap();
+        let body = json!({"account": tenant, "amount_cents": 25, "sequence": 1}).to_string();
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(NATS_MSG_ID, id.as_str());
+        let ack = fx
+            .js
+            .publish_with_headers(format!("{}.{tenant}", fx.subject), headers, body.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(
+            !ack.duplicate,
+            "{tenant}'s publish was dropped as a duplicate"
+        );
+        ids.push(id);
+    }
+    for id in &ids {
+        wait_for_line(&[&ex], &format!("processed {id}")).await;
+    }
+    for tenant in ["acme", "globex"] {
+        assert_eq!(
+            ex.account(tenant).await,
+            json!({"account": tenant, "balance_cents": 25, "charges": 1, "last_sequence": 1})
+        );
+    }
     fx.finish().await;
 }

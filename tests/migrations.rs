@@ -76,6 +76,7 @@ const FUNCTIONS: &[&str] = &[
 const RELATIONS: &[&str] = &[
     "I tower_idempotency_processed_messages_daily_pkey",
     "S tower_idempotency_lease_token_seq",
+    "i tower_idempotency_daily_floor_pkey",
     "i tower_idempotency_keys_expires_at",
     "i tower_idempotency_keys_phased",
     "i tower_idempotency_keys_pkey",
@@ -87,6 +88,7 @@ const RELATIONS: &[&str] = &[
     "i tower_idempotency_processed_messages_processed_at",
     "i tower_idempotency_waiting_pkey",
     "p tower_idempotency_processed_messages_daily",
+    "r tower_idempotency_daily_floor",
     "r tower_idempotency_keys",
     "r tower_idempotency_message_failures",
     "r tower_idempotency_migrations",
@@ -283,7 +285,7 @@ fn schema_error(result: Result<(), StoreError>) -> String {
 /// with), the description `migrate()` records, and the SHA-256 of its SQL.
 fn shipped() -> Vec<(i64, String, Vec<u8>)> {
     let files = sql_files(&root().join("migrations"));
-    let descriptions = ["schema", "phase leases"];
+    let descriptions = ["schema", "phase leases", "daily inbox floor"];
     assert_eq!(files.len(), descriptions.len(), "{files:?}");
     files
         .iter()
@@ -312,7 +314,7 @@ async fn a_fresh_schema_is_the_shipped_migrations_and_migrating_again_changes_no
 
     // Every file in migrations/, recorded with its version and checksum, in order.
     let shipped = shipped();
-    assert_eq!(shipped.iter().map(|m| m.0).collect::<Vec<_>>(), [1, 2]);
+    assert_eq!(shipped.iter().map(|m| m.0).collect::<Vec<_>>(), [1, 2, 3]);
     assert_eq!(entries(&recorded), shipped);
     // Exactly the documented objects: none that nothing calls.
     let (functions, relations) = objects(&pool, &schema.name).await;

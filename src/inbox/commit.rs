@@ -49,17 +49,49 @@ pub(super) async fn take_over_an_expired_claim<E>(
     }
 }
 
-/// Commits the work's transaction if the message's ID is still in it; else (the work
-/// swallowed a failed statement, which aborted the transaction, or ended the transaction
-/// itself) drops it, which rolls it back, and answers [`InboxError::Aborted`].
+/// Commits the work's transaction of [`Inbox::process`] if the message's ID is still recorded
+/// as processed in it; else (the work swallowed a failed statement, which aborted the
+/// transaction, or ended the transaction itself) drops it, which rolls it back, and answers
+/// [`InboxError::Aborted`].
 pub(super) async fn commit_unless_aborted<E>(
     tx: sqlx::Transaction<'_, sqlx::Postgres>,
     consumer: &str,
     message_id: &str,
 ) -> Result<(), InboxError<E>> {
     let check = fill(
-        STILL_RECORDED,
+        STILL_PROCESSED,
         &[Lit::Text(consumer), Lit::Text(message_id)],
+    )?;
+    commit_unless_aborted_by(tx, check).await
+}
+
+/// Whether the claim's row is processed and its current version was written by transaction
+/// `$3` (its `xmin`, as the statement that finished the claim returned it).
+const STILL_FINISHED: &str = "
+SELECT EXISTS (SELECT 1 FROM tower_idempotency_processed_messages
+                WHERE consumer = $1 AND message_id = $2 AND lease_token IS NULL
+                  AND xmin = $3::xid)";
+
+/// Commits the work's transaction of [`MessageLease::commit`] if the finish of the claim
+/// (written by transaction `xid`) is still the row's current version; else rolls it back
+/// and answers [`InboxError::Aborted`].
+///
+/// The claim's row was committed when the message was claimed, so asking whether the row
+/// exists says nothing about the work's transaction: after work that rolled it back, the
+/// check runs in a transaction of its own and finds the claim. Nor is "processed" enough:
+/// the lease may have run out meanwhile, and another worker finished the claim in a
+/// transaction of its own. Only the version written by this transaction's finish tells
+/// that the finish, and the work with it, is still there: uncommitted in it, or (work that
+/// committed the transaction itself) committed with the work.
+pub(super) async fn commit_unless_finish_undone<E>(
+    tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    consumer: &str,
+    message_id: &str,
+    xid: &str,
+) -> Result<(), InboxError<E>> {
+    let check = fill(
+        STILL_FINISHED,
+        &[Lit::Text(consumer), Lit::Text(message_id), Lit::Text(xid)],
     )?;
     commit_unless_aborted_by(tx, check).await
 }

@@ -2,6 +2,7 @@
 //! lease while remote work runs, applies it in order with its ID, counts failed attempts,
 //! parks poison messages, and says how to settle the delivery with the broker.
 
+use std::error::Error;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,8 +11,27 @@ use tracing::Instrument;
 
 use super::dead::{bounded, park, park_unclaimed, record_failure};
 use super::delivery::{Message, Outcome};
-use super::{Claim, Delivery, Inbox, InboxError, MAX_MESSAGE_ID, MessageLease, Ordered};
+use super::{
+    Claim, Delivery, Inbox, InboxError, MAX_MESSAGE_ID, MessageLease, Ordered,
+    is_transient_database_error,
+};
 use crate::error::{ConfigError, StoreError};
+
+/// A failure of a message's work, as the consumer reads it.
+type WorkError = Box<dyn Error + Send + Sync>;
+
+/// Whether a failure of the work is transient ([`Consumer::with_transient`]).
+type Classifier = dyn Fn(&(dyn Error + 'static)) -> bool + Send + Sync;
+
+/// The consumer's [`Classifier`].
+#[derive(Clone)]
+struct Transient(Arc<Classifier>);
+
+impl std::fmt::Debug for Transient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Transient(..)")
+    }
+}
 
 /// The longest consumer name, in bytes.
 const MAX_CONSUMER_NAME: usize = 200;
@@ -37,7 +57,11 @@ const MAX_CONSUMER_NAME: usize = 200;
 /// 6. a failure of either part is counted; below the consumer's limit it is
 ///    [`Outcome::Failed`] (released, delivered again after a backoff), at the limit the
 ///    message is parked ([`Outcome::Parked`]: recorded as processed, kept with its reason as
-///    a dead letter, never applied).
+///    a dead letter, never applied). A transient failure (a serialization failure or a
+///    deadlock of the work's transaction, a connection cut: see
+///    [`with_transient`](Consumer::with_transient)) says nothing about the message and is
+///    not counted: the message is [`Outcome::Failed`] with zero attempts, released, and
+///    delivered again after the first backoff, however often it happens.
 ///
 /// Each delivery is counted (feature `metrics`) in
 /// `tower_idempotency_inbox_deliveries_total{consumer, result}`, and redeliveries also in
@@ -53,6 +77,7 @@ pub struct Consumer {
     first_retry: Duration,
     max_retry: Duration,
     system: &'static str,
+    transient: Transient,
 }
 
 impl Consumer {
@@ -77,6 +102,7 @@ impl Consumer {
             first_retry: Duration::from_millis(100),
             max_retry: Duration::from_secs(30),
             system: "unknown",
+            transient: Transient(Arc::new(is_transient_database_error)),
         })
     }
 
@@ -108,6 +134,41 @@ impl Consumer {
         }
         self.max_failures = attempts;
         Ok(self)
+    }
+
+    /// Which failures of a message's work (its remote part or its database part) are
+    /// transient: not counted toward [`with_max_failures`](Self::with_max_failures), so a
+    /// message that meets them is never parked for them; it is released and delivered again
+    /// after the first backoff ([`Outcome::Failed`] with zero attempts). The classifier gets
+    /// the work's error (as a `Box<dyn Error>`, so its [`source`](Error::source)s can be
+    /// walked and downcast) and replaces the default, [`is_transient_database_error`]: call
+    /// that from it to keep the database's transient failures.
+    ///
+    /// A failure classed transient is retried for as long as it happens: class as transient
+    /// only what says nothing about the message (a provider's `503` or `429`, say), never
+    /// what the message itself causes.
+    ///
+    /// ```
+    /// use std::error::Error;
+    /// use tower_idempotency::inbox::{Consumer, Inbox, is_transient_database_error};
+    ///
+    /// #[derive(Debug, thiserror::Error)]
+    /// #[error("the provider is busy")]
+    /// struct ProviderBusy;
+    ///
+    /// # fn build(inbox: Inbox) -> Result<Consumer, Box<dyn Error>> {
+    /// let consumer = Consumer::new(inbox, "charges")?.with_transient(|e| {
+    ///     e.downcast_ref::<ProviderBusy>().is_some() || is_transient_database_error(e)
+    /// });
+    /// # Ok(consumer) }
+    /// ```
+    #[must_use]
+    pub fn with_transient(
+        mut self,
+        transient: impl Fn(&(dyn Error + 'static)) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.transient = Transient(Arc::new(transient));
+        self
     }
 
     /// The delay before a failed message is delivered again: `first` after the first failed
@@ -165,11 +226,16 @@ impl Consumer {
     /// the same message waits for this one's commit (at most the inbox's lock timeout) and is
     /// then a `Duplicate`. Use [`deliver`](Self::deliver) when the work calls out.
     ///
+    /// The work's error is anything that converts into a `Box<dyn Error + Send + Sync>` (a
+    /// `sqlx::Error`, a `String`, the application's error type): its text is the failure's
+    /// reason, and the consumer's classifier ([`with_transient`](Self::with_transient)) reads
+    /// it, and its sources, to tell a transient failure, which is not counted.
+    ///
     /// Never fails: every failure is an [`Outcome`].
     pub async fn process<T, E, W>(&self, message: &Message<'_>, work: W) -> Outcome<T>
     where
         W: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
-        E: std::fmt::Display,
+        E: Into<WorkError>,
     {
         self.traced(message, self.process_inner(message, work))
             .await
@@ -190,7 +256,7 @@ impl Consumer {
     async fn process_inner<T, E, W>(&self, message: &Message<'_>, work: W) -> Outcome<T>
     where
         W: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
-        E: std::fmt::Display,
+        E: Into<WorkError>,
     {
         let id = match usable(message) {
             Ok(id) => id,
@@ -205,7 +271,7 @@ impl Consumer {
             Ok(Delivery::Processed(Ordered::Stale)) => Outcome::Stale,
             Ok(Delivery::Duplicate) => Outcome::Duplicate,
             Err(InboxError::InProgress { retry_after }) => Outcome::InProgress { retry_after },
-            Err(InboxError::Work(e)) => self.failed(None, message, id, &e.to_string()).await,
+            Err(InboxError::Work(e)) => self.work_failed(None, message, id, e.into()).await,
             Err(e @ InboxError::Aborted) => self.failed(None, message, id, &e.to_string()).await,
             Err(e) => self.unavailable(&e),
         }
@@ -215,7 +281,8 @@ impl Consumer {
     /// work that leaves the database (a provider call, carrying a key derived from the
     /// message ID, since a takeover after a crash runs it again); it runs with no
     /// transaction open while the lease is renewed. `work` gets its result and the
-    /// transaction that commits the ID: do every write of the message through it.
+    /// transaction that commits the ID: do every write of the message through it. Their
+    /// error is read as [`process`](Self::process)'s.
     ///
     /// Never fails: every failure is an [`Outcome`] whose [`settle`](Outcome::settle) says
     /// what to tell the broker.
@@ -228,7 +295,7 @@ impl Consumer {
     where
         R: AsyncFnOnce() -> Result<P, E>,
         W: AsyncFnOnce(&mut PgConnection, P) -> Result<T, E>,
-        E: std::fmt::Display,
+        E: Into<WorkError>,
     {
         self.traced(message, self.deliver_inner(message, remote, work))
             .await
@@ -243,7 +310,7 @@ impl Consumer {
     where
         R: AsyncFnOnce() -> Result<P, E>,
         W: AsyncFnOnce(&mut PgConnection, P) -> Result<T, E>,
-        E: std::fmt::Display,
+        E: Into<WorkError>,
     {
         let id = match usable(message) {
             Ok(id) => id,
@@ -275,7 +342,7 @@ impl Consumer {
         }
         let prepared = match keep_alive(&lease, remote()).await {
             Some(Ok(prepared)) => prepared,
-            Some(Err(e)) => return self.failed(Some(lease), message, id, &e.to_string()).await,
+            Some(Err(e)) => return self.work_failed(Some(lease), message, id, e.into()).await,
             None => return self.unavailable(&InboxError::<E>::LeaseLost),
         };
         let mut lease = lease;
@@ -287,11 +354,34 @@ impl Consumer {
         match committed {
             Ok(Ordered::Applied(out)) => Outcome::Processed(out),
             Ok(Ordered::Stale) => Outcome::Stale,
-            Err(InboxError::Work(e)) => self.failed(Some(lease), message, id, &e.to_string()).await,
+            Err(InboxError::Work(e)) => self.work_failed(Some(lease), message, id, e.into()).await,
             Err(e @ InboxError::Aborted) => {
                 self.failed(Some(lease), message, id, &e.to_string()).await
             }
             Err(e) => self.unavailable(&e),
+        }
+    }
+
+    /// A failure of the message's work: not counted when it is transient (the lease, if any,
+    /// released for the next delivery), else counted ([`failed`](Self::failed)).
+    async fn work_failed<T>(
+        &self,
+        lease: Option<MessageLease>,
+        message: &Message<'_>,
+        id: &str,
+        error: WorkError,
+    ) -> Outcome<T> {
+        let reason = error.to_string();
+        if !(self.transient.0)(&*error) {
+            return self.failed(lease, message, id, &reason).await;
+        }
+        if let Some(lease) = lease {
+            release(lease).await;
+        }
+        Outcome::Failed {
+            attempts: 0,
+            reason: bounded(&reason).to_owned(),
+            retry_after: self.first_retry,
         }
     }
 
@@ -325,14 +415,8 @@ impl Consumer {
                 Err(e) => self.unavailable(&e),
             };
         }
-        if let Some(lease) = lease
-            && let Err(e) = lease.release().await
-        {
-            // The lease frees the message when it runs out; the redelivery waits for that.
-            tracing::warn!(
-                error = &e as &dyn std::error::Error,
-                "could not release a failed message's lease"
-            );
+        if let Some(lease) = lease {
+            release(lease).await;
         }
         Outcome::Failed {
             attempts,
@@ -416,6 +500,17 @@ impl Consumer {
         }
         #[cfg(not(feature = "metrics"))]
         let _ = message;
+    }
+}
+
+/// Gives a failed message's lease back, so that the next delivery works on it at once.
+async fn release(lease: MessageLease) {
+    if let Err(e) = lease.release().await {
+        // The lease frees the message when it runs out; the redelivery waits for that.
+        tracing::warn!(
+            error = &e as &dyn std::error::Error,
+            "could not release a failed message's lease"
+        );
     }
 }
 

@@ -17,6 +17,15 @@
 //! does. A message whose day has no partition (older than the retention, so its ID may have
 //! been dropped; or further ahead than the partitions made) is refused with
 //! [`InboxError::OutsideRetention`] and never applied.
+//!
+//! **A day once dropped stays dropped.** `tower_idempotency_daily_floor` keeps the first day
+//! that may still hold IDs. [`DailyInbox::maintain`] raises it to the first day of its
+//! retention before it drops anything below, never lowers it, and never makes a partition
+//! below it; every delivery reads it in the statement that records its ID and refuses a
+//! message of a day below it, whatever partitions exist. So a longer retention set later, a
+//! second instance with a longer one, or a database clock that jumped ahead and back cannot
+//! make a dropped day again and apply its messages a second time: a raised retention keeps
+//! the days from the floor on longer, and reaches its full length as they age.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -33,15 +42,23 @@ use crate::store::sql::{Lit, fill};
 /// The partitioned table; each partition is this name and `_YYYYMMDD`.
 const TABLE: &str = "tower_idempotency_processed_messages_daily";
 
-/// Records the message's ID in its day's partition, waiting at most `$4` ms for a concurrent
-/// delivery of the same message; the work's own `lock_timeout` is put back after.
+/// Records the message's ID in its day's partition unless the day is below the floor,
+/// waiting at most `$4` ms for a concurrent delivery of the same message; the work's own
+/// `lock_timeout` is put back after. The floor is read in the statement that records, with
+/// its snapshot: `recorded` (the ID is new, and this transaction's), and `dropped` (the day is
+/// below the floor: nothing was recorded).
 const RECORD: &str = "
 SELECT set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true);
 SELECT set_config('lock_timeout', $4::text || 'ms', true);
-INSERT INTO tower_idempotency_processed_messages_daily (consumer, message_id, day)
-VALUES ($1, $2, DATE '1970-01-01' + $3::integer)
-ON CONFLICT (consumer, message_id, day) DO NOTHING
-RETURNING true AS recorded;
+WITH floor AS (
+    SELECT EXISTS (SELECT 1 FROM tower_idempotency_daily_floor
+                    WHERE first_day > DATE '1970-01-01' + $3::integer) AS dropped),
+inserted AS (
+    INSERT INTO tower_idempotency_processed_messages_daily (consumer, message_id, day)
+    SELECT $1, $2, DATE '1970-01-01' + $3::integer FROM floor WHERE NOT floor.dropped
+    ON CONFLICT (consumer, message_id, day) DO NOTHING
+    RETURNING 1)
+SELECT (SELECT count(*) FROM inserted) = 1 AS recorded, (SELECT dropped FROM floor) AS dropped;
 SELECT set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true)";
 
 /// Whether the ID is recorded, as the statement's transaction sees it.
@@ -52,6 +69,20 @@ SELECT EXISTS (SELECT 1 FROM tower_idempotency_processed_messages_daily
 /// Today by the database's clock, as days since 1970-01-01 (UTC).
 const TODAY: &str = "
 SELECT ((tower_idempotency_now() AT TIME ZONE 'UTC')::date - DATE '1970-01-01') AS today";
+
+/// Raises the floor to `$1` (days since 1970-01-01) unless it is higher; returns the floor,
+/// as days since 1970-01-01. The row is locked until the statement commits, so of two
+/// concurrent raises the later one returns the higher floor.
+const RAISE_FLOOR: &str = "
+INSERT INTO tower_idempotency_daily_floor AS f (only_row, first_day)
+VALUES (true, DATE '1970-01-01' + $1::integer)
+ON CONFLICT (only_row) DO UPDATE
+   SET first_day = greatest(f.first_day, EXCLUDED.first_day)
+RETURNING (f.first_day - DATE '1970-01-01') AS first_day";
+
+/// How often a raise of the floor that lost a race with another instance's (a serialization
+/// failure, at `REPEATABLE READ` or `SERIALIZABLE`) is tried again.
+const RAISE_ATTEMPTS: usize = 4;
 
 /// The partitions, and whether a detach of each is pending (an interrupted
 /// `DETACH … CONCURRENTLY`).
@@ -198,6 +229,15 @@ impl DailyInbox {
     /// an interrupted detach is finished on the next call). Idempotent: run it at least once
     /// a day, from one process or several.
     ///
+    /// A day once dropped is never made again (see [`DailyInbox`]): first the floor is raised
+    /// to the first day of the retention (it is never lowered), then every partition below
+    /// the floor is dropped, and only days from the floor on are made. So a retention raised
+    /// later keeps the days from the floor on longer but does not bring older ones back; of
+    /// instances with different retentions, the shortest one's floor holds for all of them;
+    /// and after the database's clock jumped ahead and back, messages of the days the jump
+    /// dropped, and of days below the floor it set, are refused
+    /// ([`InboxError::OutsideRetention`]) until the clock catches up.
+    ///
     /// # Errors
     ///
     /// [`StoreError::Backend`] when the database fails; what was done before stays done.
@@ -208,7 +248,13 @@ impl DailyInbox {
             .and_then(|row| row.try_get("today"))
             .map_err(db_error)?;
         let today = i64::from(today);
-        let first = today - i64::from(self.retention_days) + 1;
+        // No day before 1970 is ever used (`day_of`).
+        let wanted = (today - i64::from(self.retention_days) + 1).max(0);
+        // Raised, and committed, before anything is dropped: a delivery that reads the floor
+        // after the raise refuses the days below it, a partition of one of them is left to
+        // no delivery, and one made meanwhile by an instance that read a lower floor is
+        // dropped on the next call.
+        let first = self.raise_floor(wanted).await?;
         let last = today + i64::from(self.ahead_days);
         let mut done = Maintenance::default();
         let rows = sqlx::raw_sql(PARTITIONS)
@@ -266,6 +312,27 @@ impl DailyInbox {
             }
         }
         Ok(done)
+    }
+
+    /// Raises the floor to `wanted` unless it is higher, and returns it (days since
+    /// 1970-01-01).
+    async fn raise_floor(&self, wanted: i64) -> Result<i64, StoreError> {
+        let raise = fill(RAISE_FLOOR, &[Lit::Int(wanted)])?;
+        let mut attempt = 1;
+        loop {
+            match sqlx::raw_sql(AssertSqlSafe(raise.as_str()))
+                .fetch_one(&self.pool)
+                .await
+                .and_then(|row| row.try_get::<i32, _>("first_day"))
+            {
+                Ok(first) => return Ok(i64::from(first)),
+                // Another instance raised it after this statement's snapshot.
+                Err(e) if sqlstate_is(&e, SERIALIZATION_FAILURE) && attempt < RAISE_ATTEMPTS => {
+                    attempt += 1;
+                }
+                Err(e) => return Err(db_error(e)),
+            }
+        }
     }
 
     /// Runs [`maintain`](Self::maintain) now and then every `every` in a background task,
@@ -329,13 +396,26 @@ impl DailyInbox {
             ],
         )?;
         let mut tx = self.pool.begin().await.map_err(db_error)?;
-        let recorded = match sqlx::raw_sql(AssertSqlSafe(record))
+        let (recorded, dropped) = match sqlx::raw_sql(AssertSqlSafe(record))
             .fetch_all(&mut *tx)
             .await
         {
-            Ok(rows) => rows
+            // The row of the statement that records (the others set `lock_timeout`).
+            Ok(rows) => match rows
                 .iter()
-                .any(|r| r.try_get::<bool, _>("recorded").is_ok()),
+                .find_map(|r| Some((r.try_get::<bool, _>("recorded").ok()?, r)))
+            {
+                Some((recorded, row)) => (
+                    recorded,
+                    row.try_get::<bool, _>("dropped").map_err(db_error)?,
+                ),
+                None => {
+                    return Err(StoreError::backend(
+                        "the daily inbox's record statement answered no row",
+                    )
+                    .into());
+                }
+            },
             Err(e) if sqlstate_is(&e, CHECK_VIOLATION) => {
                 return Err(InboxError::OutsideRetention);
             }
@@ -347,6 +427,10 @@ impl DailyInbox {
         };
         if !recorded {
             tx.rollback().await.map_err(db_error)?;
+            // Below the floor: its day was dropped, so whether it was seen is unknown.
+            if dropped {
+                return Err(InboxError::OutsideRetention);
+            }
             return Ok(Delivery::Duplicate);
         }
         let out = work(&mut tx).await.map_err(InboxError::Work)?;

@@ -165,7 +165,7 @@ pub(super) async fn park<E>(
     mut lease: MessageLease,
     payload: Option<&[u8]>,
 ) -> Result<(), InboxError<E>> {
-    let mut tx = lease.finish().await?;
+    let (mut tx, _) = lease.finish().await?;
     lease.ended();
     mark_parked(&mut tx, lease.consumer(), lease.message_id(), payload).await?;
     tx.commit().await.map_err(db_error)?;

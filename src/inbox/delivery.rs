@@ -90,8 +90,10 @@ pub enum Outcome<T> {
     /// This attempt failed and nothing committed; the message should be delivered again
     /// after `retry_after`.
     Failed {
-        /// Failed attempts of the message's work so far; zero when the work did not fail
-        /// (the database failed, or the lease was lost to another worker).
+        /// Failed attempts of the message's work so far; zero when the failure is not
+        /// counted: the work did not fail (the database failed, or the lease was lost to
+        /// another worker), or its failure was transient
+        /// ([`Consumer::with_transient`](super::Consumer::with_transient)).
         attempts: u32,
         /// Why.
         reason: String,

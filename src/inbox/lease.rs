@@ -5,7 +5,9 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
 use super::order::{ADVANCE_ATTEMPTS, check_key, raced};
-use super::{Inbox, InboxError, LOOK, MAX_MESSAGE_ID, Ordered, commit_unless_aborted, lease_left};
+use super::{
+    Inbox, InboxError, LOOK, MAX_MESSAGE_ID, Ordered, commit_unless_finish_undone, lease_left,
+};
 use crate::error::StoreError;
 use crate::store::postgres::sqlstate::{SERIALIZATION_FAILURE, sqlstate_is};
 use crate::store::postgres::{db_error, millis};
@@ -85,7 +87,7 @@ WITH finished AS (
     UPDATE tower_idempotency_processed_messages
        SET lease_token = NULL, lease_expires_at = NULL, processed_at = tower_idempotency_now()
      WHERE consumer = $1 AND message_id = $2 AND lease_token = $3
-    RETURNING 1),
+    RETURNING xmin::text AS xid),
 advanced AS (
     INSERT INTO tower_idempotency_positions AS p (consumer, key, position)
     SELECT $1, $4, $5 FROM finished
@@ -93,7 +95,8 @@ advanced AS (
        SET position = EXCLUDED.position, updated_at = tower_idempotency_now()
      WHERE p.position < EXCLUDED.position
     RETURNING 1)
-SELECT (SELECT count(*) FROM finished) AS finished, (SELECT count(*) FROM advanced) AS advanced";
+SELECT (SELECT count(*) FROM finished) AS finished, (SELECT count(*) FROM advanced) AS advanced,
+       (SELECT xid FROM finished) AS xid";
 
 /// Extends the lease the token holds.
 const RENEW: &str = "
@@ -107,11 +110,14 @@ DELETE FROM tower_idempotency_processed_messages
  WHERE consumer = $1 AND message_id = $2 AND lease_token = $3";
 
 /// Turns the claim into a processed message, inside the work's transaction (its first
-/// statement: it locks the row, so no takeover can commit before the work does).
+/// statement: it locks the row, so no takeover can commit before the work does). Returns the
+/// new version's `xmin`, the transaction's ID, for the check before the commit
+/// ([`commit_unless_finish_undone`]); no row when the lease was lost.
 const FINISH: &str = "
 UPDATE tower_idempotency_processed_messages
    SET lease_token = NULL, lease_expires_at = NULL, processed_at = tower_idempotency_now()
- WHERE consumer = $1 AND message_id = $2 AND lease_token = $3";
+ WHERE consumer = $1 AND message_id = $2 AND lease_token = $3
+RETURNING xmin::text AS xid";
 
 /// How often a claim that lost a race (the row changed between two statements) is tried
 /// again before the message counts as held.
@@ -272,7 +278,10 @@ impl MessageLease {
 
     /// Runs `work` in a transaction that also records the message as processed, and commits
     /// both, while the lease still holds the message. Acknowledge the message after this
-    /// returns `Ok`.
+    /// returns `Ok`: it does only when the work's writes committed with the message's ID.
+    /// Work that ended the transaction itself (a `ROLLBACK`) and returned `Ok` is
+    /// [`InboxError::Aborted`], although the claim's row was committed before the work
+    /// began.
     ///
     /// # Errors
     ///
@@ -339,7 +348,7 @@ impl MessageLease {
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
     {
         let mut attempts = 0;
-        let mut tx = loop {
+        let (mut tx, xid) = loop {
             let Some((key, position)) = order else {
                 break self.finish().await?;
             };
@@ -358,7 +367,8 @@ impl MessageLease {
                         return Err(InboxError::LeaseLost);
                     }
                     if advanced == 1 {
-                        break tx;
+                        let xid: String = row.try_get("xid").map_err(db_error)?;
+                        break (tx, xid);
                     }
                     // Recorded as processed: a redelivery is a duplicate.
                     tx.commit().await.map_err(db_error)?;
@@ -378,26 +388,28 @@ impl MessageLease {
             }
         };
         let out = work(&mut tx).await.map_err(InboxError::Work)?;
-        commit_unless_aborted(tx, &self.consumer, &self.message_id).await?;
+        commit_unless_finish_undone(tx, &self.consumer, &self.message_id, &xid).await?;
         Ok(Ordered::Applied(out))
     }
 
     /// Opens a transaction whose first statement turns the claim into a processed message
-    /// (and locks its row), or [`InboxError::LeaseLost`].
+    /// (and locks its row), or [`InboxError::LeaseLost`]. Returns the transaction and its ID,
+    /// as the finished row's `xmin`.
     pub(super) async fn finish<E>(
         &self,
-    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, InboxError<E>> {
+    ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, String), InboxError<E>> {
         let mut tx = self.inbox.pool.begin().await.map_err(db_error)?;
         // Over the simple protocol: one round trip (see `commit_unless_aborted_by`).
         let sql = fill(FINISH, &self.args())?;
         let finished = sqlx::raw_sql(AssertSqlSafe(sql))
-            .execute(&mut *tx)
+            .fetch_optional(&mut *tx)
             .await
             .map_err(db_error)?;
-        if finished.rows_affected() != 1 {
+        let Some(row) = finished else {
             return Err(InboxError::LeaseLost);
-        }
-        Ok(tx)
+        };
+        let xid: String = row.try_get("xid").map_err(db_error)?;
+        Ok((tx, xid))
     }
 
     /// As [`commit_in_order`](Self::commit_in_order) (`order` given) or

@@ -319,8 +319,9 @@ impl PostgresStore {
     /// - the tables `tower_idempotency_keys` (the keys' records), `tower_idempotency_waiting`
     ///   (the keys that duplicates wait for), `tower_idempotency_processed_messages`,
     ///   `tower_idempotency_positions` and `tower_idempotency_message_failures` (the inbox),
-    ///   and `tower_idempotency_processed_messages_daily`, partitioned by day (its partitions
-    ///   are made and dropped by [`DailyInbox`](crate::inbox::DailyInbox));
+    ///   `tower_idempotency_processed_messages_daily`, partitioned by day (its partitions
+    ///   are made and dropped by [`DailyInbox`](crate::inbox::DailyInbox)), and
+    ///   `tower_idempotency_daily_floor` (one row: the first day the daily inbox keeps);
     /// - their indexes besides the primary keys: `tower_idempotency_keys_expires_at`,
     ///   `tower_idempotency_keys_phased` (partial),
     ///   `tower_idempotency_processed_messages_processed_at` and
@@ -340,7 +341,9 @@ impl PostgresStore {
     ///   SHA-256 of its SQL.
     ///
     /// The schema is made by the files of `migrations/`, applied in order: `0001_schema.sql`
-    /// (version 1), then `0002_phase_leases.sql` (version 2: the phase statements' leases).
+    /// (version 1), then `0002_phase_leases.sql` (version 2: the phase statements' leases),
+    /// then `0003_daily_floor.sql` (version 3: the daily inbox's floor, the first day of the
+    /// partitions it has when it is applied).
     ///
     /// # Databases migrated by earlier builds
     ///
@@ -361,7 +364,7 @@ impl PostgresStore {
     /// DROP TABLE IF EXISTS tower_idempotency_keys, tower_idempotency_waiting,
     ///     tower_idempotency_processed_messages, tower_idempotency_positions,
     ///     tower_idempotency_message_failures, tower_idempotency_processed_messages_daily,
-    ///     tower_idempotency_migrations;
+    ///     tower_idempotency_daily_floor, tower_idempotency_migrations;
     /// DROP SEQUENCE IF EXISTS tower_idempotency_lease_token_seq;
     /// DO $$
     /// DECLARE

@@ -51,6 +51,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "phase leases",
         include_str!("../../../migrations/0002_phase_leases.sql"),
     ),
+    (
+        3,
+        "daily inbox floor",
+        include_str!("../../../migrations/0003_daily_floor.sql"),
+    ),
 ];
 
 /// The schema, version 1: what a schema that ran [`OLD_MIGRATIONS`] is brought to.
