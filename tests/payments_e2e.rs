@@ -1023,6 +1023,18 @@ async fn a_redelivered_webhook_is_applied_once() {
     expect_replay_of(&replies[1], &replies[0]);
     expect_replay_of(&replies[2], &replies[0]);
     assert_eq!(api.webhooks_processed().await, 1);
+    // The event redelivered as the provider serialised it again (other member order, other
+    // whitespace): the same event, `2xx`, not applied again.
+    let again = api
+        .send(
+            Method::POST,
+            "/webhooks/provider",
+            &[("webhook-id", "msg_1")],
+            "{ \"data\": {\"charge_id\": \"ch_1\"},\n  \"type\": \"charge.succeeded\" }".to_owned(),
+        )
+        .await;
+    expect_replay_of(&again, &replies[0]);
+    assert_eq!(api.webhooks_processed().await, 1);
 
     let other = api
         .post(

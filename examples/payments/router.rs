@@ -146,7 +146,10 @@ pub(crate) fn app<M: Mode, P: Mode>(
 
     // The webhook receiver. The provider names each event in a `webhook-id` header
     // (Standard Webhooks) and redelivers until it gets a 2xx; the layer turns redeliveries
-    // into replays. A real receiver verifies the webhook's signature before this layer.
+    // into replays. The id names the event: a redelivery is the same event however its body
+    // was serialised again, so the fingerprint leaves the body out (a body compared byte for
+    // byte would answer 422 to a re-serialised redelivery, and the provider would go on
+    // redelivering). A real receiver verifies the webhook's signature before this layer.
     let webhooks = protect(
         Router::new().route(
             "/webhooks/provider",
@@ -155,6 +158,9 @@ pub(crate) fn app<M: Mode, P: Mode>(
         layer(config, &payments_store)?.map(|l| {
             l.with_header(HeaderName::from_static("webhook-id"))
                 .with_scope(|_| Some("webhooks:provider".to_owned()))
+                .with_fingerprint_fn(|parts, _body| {
+                    tower_idempotency::fingerprint::fingerprint(parts, &[], &[])
+                })
         }),
     )
     .with_state(storage.payments.clone());
