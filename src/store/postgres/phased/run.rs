@@ -290,7 +290,10 @@ async fn complete_last(
             Ok(Completion::LeaseLost)
         }
         Err(e) => {
-            tx.rollback_later();
+            // Rolled back before the claim is ended and the client answered: the record's
+            // lock (a fenced phase's) goes with it, so the end of the claim does not wait for
+            // it and a retry the moment the 503 arrives can take the key over.
+            tx.rollback(None).await;
             Ok(Completion::Failed(e))
         }
     }

@@ -161,7 +161,10 @@ pub(super) async fn complete(
         Err(e) => e,
     };
     if !sqlstate_is(&err, IN_FAILED_TRANSACTION) {
-        tx.rollback_later();
+        // Rolled back before the client hears of it: the key's lock goes with the
+        // transaction, so a retry sent the moment the 503 arrives finds the key free (rolled
+        // back in the background, it could meet the key still held and get 409).
+        tx.rollback(notify).await;
         return Ok(Completion::Failed(err));
     }
     let batch = completion_batch(claimed, ttl, stored, true, bounds, notify)?;
@@ -172,7 +175,7 @@ pub(super) async fn complete(
             Completion::StoredAlone
         }
         Err(e) => {
-            tx.rollback_later();
+            tx.rollback(notify).await;
             Completion::Failed(e)
         }
     })
