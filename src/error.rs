@@ -89,6 +89,22 @@ pub enum ConfigError {
     /// message ID would be dropped as it is recorded.
     #[error("an inbox's retention must be longer than zero")]
     ZeroRetention,
+    /// A retention of more than [`MAX_RETENTION_DAYS`](crate::inbox::MAX_RETENTION_DAYS)
+    /// days ([`DailyInbox::new`](crate::inbox::DailyInbox::new)): a partition a day, made at
+    /// once by the first `maintain`, and a day's name past what the calendar names.
+    #[error("an inbox's retention may be at most {max_days} days")]
+    RetentionTooLong {
+        /// The longest retention, in days.
+        max_days: u32,
+    },
+    /// More than [`MAX_DAYS_AHEAD`](crate::inbox::MAX_DAYS_AHEAD) days made ahead
+    /// ([`DailyInbox::with_days_ahead`](crate::inbox::DailyInbox::with_days_ahead)): a
+    /// partition each, made by every `maintain`.
+    #[error("an inbox may make partitions at most {max} days ahead")]
+    TooManyDaysAhead {
+        /// The most days ahead.
+        max: u32,
+    },
 }
 
 impl StoreError {

@@ -78,7 +78,7 @@ use commit::{
     take_over_an_expired_claim,
 };
 pub use consumer::Consumer;
-pub use daily::{DailyInbox, Maintenance};
+pub use daily::{DailyInbox, MAX_DAYS_AHEAD, MAX_RETENTION_DAYS, Maintenance};
 pub use dead::DeadLetter;
 pub use delivery::{Message, Outcome, Settle};
 pub use lease::{Claim, MessageLease};

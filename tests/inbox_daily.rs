@@ -109,6 +109,28 @@ async fn partitions_are_made_ahead_and_dropped_past_the_retention() {
         DailyInbox::new(inbox.pool().clone(), Duration::ZERO).unwrap_err(),
         ConfigError::ZeroRetention
     );
+    // Settings that would make thousands of partitions, or days the calendar cannot name,
+    // are refused where they are given.
+    for retention in [Duration::MAX, Duration::from_secs(3661 * 86_400)] {
+        assert_eq!(
+            DailyInbox::new(inbox.pool().clone(), retention).unwrap_err(),
+            ConfigError::RetentionTooLong { max_days: 3660 }
+        );
+    }
+    assert!(DailyInbox::new(inbox.pool().clone(), Duration::from_secs(3660 * 86_400)).is_ok());
+    assert_eq!(
+        DailyInbox::new(inbox.pool().clone(), Duration::from_secs(DAY))
+            .unwrap()
+            .with_days_ahead(u32::MAX)
+            .unwrap_err(),
+        ConfigError::TooManyDaysAhead { max: 31 }
+    );
+    assert!(
+        DailyInbox::new(inbox.pool().clone(), Duration::from_secs(DAY))
+            .unwrap()
+            .with_days_ahead(31)
+            .is_ok()
+    );
     done(schema, inbox).await;
 }
 

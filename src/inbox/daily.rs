@@ -168,6 +168,13 @@ fn day_of(at: SystemTime) -> Option<i32> {
     i32::try_from(secs / 86_400).ok()
 }
 
+/// The longest retention a [`DailyInbox`] takes, in days (ten years): one partition a day.
+pub const MAX_RETENTION_DAYS: u32 = 3660;
+
+/// The most days ahead a [`DailyInbox`] makes partitions
+/// ([`DailyInbox::with_days_ahead`]).
+pub const MAX_DAYS_AHEAD: u32 = 31;
+
 impl DailyInbox {
     /// An inbox on `pool` that keeps message IDs for `retention` (whole days, rounded up: a
     /// message first sent longer ago than that may be refused) and makes partitions 3 days
@@ -179,26 +186,42 @@ impl DailyInbox {
     ///
     /// # Errors
     ///
-    /// [`ConfigError::ZeroRetention`] when `retention` is zero.
+    /// [`ConfigError::ZeroRetention`] when `retention` is zero,
+    /// [`ConfigError::RetentionTooLong`] past [`MAX_RETENTION_DAYS`].
     pub fn new(pool: PgPool, retention: Duration) -> Result<Self, ConfigError> {
         if retention.is_zero() {
             return Err(ConfigError::ZeroRetention);
         }
         let days = retention.as_secs().div_ceil(86_400).max(1);
+        let retention_days = u32::try_from(days)
+            .ok()
+            .filter(|&days| days <= MAX_RETENTION_DAYS)
+            .ok_or(ConfigError::RetentionTooLong {
+                max_days: MAX_RETENTION_DAYS,
+            })?;
         Ok(Self {
             pool,
-            retention_days: u32::try_from(days).unwrap_or(u32::MAX),
+            retention_days,
             ahead_days: 3,
             lock_timeout: Duration::from_secs(5),
         })
     }
 
     /// How many days ahead of today [`maintain`](Self::maintain) makes partitions (default
-    /// 3): a message whose producer's clock is further ahead is refused until then.
-    #[must_use]
-    pub fn with_days_ahead(mut self, days: u32) -> Self {
+    /// 3, at most [`MAX_DAYS_AHEAD`]): a message whose producer's clock is further ahead is
+    /// refused until then.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::TooManyDaysAhead`] past [`MAX_DAYS_AHEAD`].
+    pub fn with_days_ahead(mut self, days: u32) -> Result<Self, ConfigError> {
+        if days > MAX_DAYS_AHEAD {
+            return Err(ConfigError::TooManyDaysAhead {
+                max: MAX_DAYS_AHEAD,
+            });
+        }
         self.ahead_days = days;
-        self
+        Ok(self)
     }
 
     /// How long [`process`](Self::process) waits for a concurrent delivery of the same
