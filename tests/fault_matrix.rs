@@ -161,7 +161,10 @@ impl Cell {
             .unwrap();
         let proxy = WireProxy::start(target).await;
         let pool = PgPoolOptions::new()
-            .max_connections(8)
+            // The completer's cells on one connection: which statements a pooled connection
+            // has prepared already decides the path's boundaries (`PREPARE` or not), and with
+            // several, which one a statement gets varies from run to run.
+            .max_connections(if mode == Mode::Completer { 1 } else { 8 })
             .acquire_timeout(Duration::from_secs(10))
             .connect_with(
                 opts.host(&proxy.addr().ip().to_string())
@@ -454,8 +457,12 @@ async fn boundaries(mode: Mode) -> Vec<Point> {
     }
     let mut seen = cell.proxy.seen();
     if mode == Mode::Completer {
-        // The pass alone, not the setup.
-        seen.drain(..cell.setup);
+        // The pass alone, not the setup; counted from the pass's start, as an armed fault
+        // counts.
+        let setup: Vec<Point> = seen.drain(..cell.setup).collect();
+        for point in &mut seen {
+            point.nth -= setup.iter().filter(|p| p.label == point.label).count();
+        }
     }
     cell.cleanup().await;
     seen
