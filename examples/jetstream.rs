@@ -387,6 +387,9 @@ async fn apply(app: &App, config: &Config, delivery: &Message<'_>, charge: &Char
         .bind(consumer)
         .bind(&charge.account)
         .bind(amount)
+        // Unnamed: behind a pooler in transaction mode a statement prepared by name on one
+        // server connection is not there on the next.
+        .persistent(false)
         .execute(tx)
         .await
         .map(drop)
@@ -404,6 +407,7 @@ async fn account(State(app): State<App>, Path(account): Path<String>) -> impl In
     )
     .bind(app.consumer.name())
     .bind(&account)
+    .persistent(false)
     .fetch_optional(&app.pool)
     .await;
     let position = app.consumer.position(&account).await;
