@@ -842,3 +842,68 @@ async fn transactional_mode_adds_two_statements_and_no_commit() {
     pool.close().await;
     schema.drop_schema().await;
 }
+
+/// A statement prepared by name is tried on one connection: refused there as not prepared
+/// yet (`26000`), it is prepared and run on that same connection. Sent again through the
+/// pool, the second try could meet another connection that has it already (`42P05`), and
+/// bounce so up to four times before it went unprepared. So on a pool of four connections
+/// with requests at once, each connection refuses each statement at most once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_not_prepared_on_a_connection_is_prepared_there_without_bouncing() {
+    let schema = PgSchema::new().await;
+    let setup = schema.pool(2).await;
+    PostgresStore::new(setup.clone()).migrate().await.unwrap();
+    let proxy = Proxy::start(upstream()).await;
+    let opts = PgConnectOptions::from_str(&database_url())
+        .unwrap()
+        .host("127.0.0.1")
+        .port(proxy.addr.port())
+        .ssl_mode(PgSslMode::Disable)
+        .options([("search_path", schema.name.as_str())]);
+    const CONNECTIONS: usize = 4;
+    let pool = PgPoolOptions::new()
+        .max_connections(CONNECTIONS as u32)
+        .min_connections(CONNECTIONS as u32)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(opts)
+        .await
+        .unwrap();
+    let calls = Calls::default();
+    let svc = IdempotencyLayer::new(PostgresStore::new(pool.clone())).layer(handler(calls.clone()));
+    let errors = proxy.errors();
+    for wave in 0..10 {
+        let sent: Vec<_> = (0..8)
+            .map(|i| {
+                let svc = svc.clone();
+                tokio::spawn(async move {
+                    let key = format!("k-{wave}-{}", i % 6);
+                    read(
+                        svc.oneshot(req("POST", "/pay", Some(&key), "{}"))
+                            .await
+                            .unwrap(),
+                    )
+                    .await
+                })
+            })
+            .collect();
+        for answer in sent {
+            let answer = answer.await.unwrap();
+            assert!(
+                answer.status.is_success() || answer.status == 409,
+                "{} {}",
+                answer.status,
+                answer.text()
+            );
+        }
+    }
+    // The statements a first request, a replay and a duplicate in flight send prepared.
+    let statements = 5;
+    let refused = proxy.errors() - errors;
+    assert!(
+        refused <= CONNECTIONS * statements,
+        "{refused} statements refused on {CONNECTIONS} connections"
+    );
+    pool.close().await;
+    setup.close().await;
+    schema.drop_schema().await;
+}

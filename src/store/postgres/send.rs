@@ -98,7 +98,9 @@ impl PostgresStore {
     /// to server connections that hold another client's statement of that name, a statement
     /// prepared here is named by its own text ([`prepared_name`]): found on any server connection,
     /// it is the statement meant. Where a server connection does not hold it yet (`26000`), the
-    /// message is sent again with the `PREPARE` in front; where that meets the statement prepared
+    /// message is sent again, on the same pooled connection, with the `PREPARE` in front (on a
+    /// direct connection that is the server connection that refused it); where that meets the
+    /// statement prepared
     /// meanwhile by another client of a pooler (`42P05`), it is sent again without. After a few
     /// rounds of that (a pooler with many server connections, each met for the first time), the
     /// statement is sent unprepared, as text, for this call.
@@ -108,11 +110,15 @@ impl PostgresStore {
         args: &[Lit<'_>],
     ) -> Result<Vec<PgRow>, StoreError> {
         let statement = self.rendered().await?.get(bare)?;
+        // Every try on one pooled connection: on a direct connection the statement refused
+        // as not prepared is prepared and run there, in two messages. (Through the pool, the
+        // second try could meet another connection that has it already, and bounce.)
+        let mut conn = self.pool.acquire().await.map_err(|e| self.error(e))?;
         let mut prepare = false;
         for _ in 0..NAMED_ATTEMPTS {
             let sql = self.named_message(bare, statement, args, prepare)?;
             match sqlx::raw_sql(AssertSqlSafe(sql))
-                .fetch_all(&self.pool)
+                .fetch_all(&mut *conn)
                 .await
             {
                 Err(e) if !prepare && sqlstate_is(&e, NOT_PREPARED) => prepare = true,
@@ -124,7 +130,7 @@ impl PostgresStore {
         self.push_bare_settings(&mut sql, bare);
         append(&mut sql, statement.0, args)?;
         sqlx::raw_sql(AssertSqlSafe(sql))
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *conn)
             .await
             .map_err(|e| self.error(e))
     }
