@@ -860,10 +860,10 @@ async fn a_statement_not_prepared_on_a_connection_is_prepared_there_without_boun
         .port(proxy.addr.port())
         .ssl_mode(PgSslMode::Disable)
         .options([("search_path", schema.name.as_str())]);
-    const CONNECTIONS: usize = 4;
+    const CONNECTIONS: u32 = 4;
     let pool = PgPoolOptions::new()
-        .max_connections(CONNECTIONS as u32)
-        .min_connections(CONNECTIONS as u32)
+        .max_connections(CONNECTIONS)
+        .min_connections(CONNECTIONS)
         .acquire_timeout(Duration::from_secs(30))
         .connect_with(opts)
         .await
@@ -900,7 +900,7 @@ async fn a_statement_not_prepared_on_a_connection_is_prepared_there_without_boun
     let statements = 5;
     let refused = proxy.errors() - errors;
     assert!(
-        refused <= CONNECTIONS * statements,
+        refused <= CONNECTIONS as usize * statements,
         "{refused} statements refused on {CONNECTIONS} connections"
     );
     pool.close().await;
