@@ -295,6 +295,72 @@ async fn a_lease_is_renewed_while_remote_work_outlasts_it() {
     done(schema, inbox).await;
 }
 
+/// The remote work is polled while a renewal runs: a renewal held up by the database (here
+/// its row locked by another transaction for 3 s) does not freeze the remote call (its
+/// stream unread, its heartbeats unanswered) for as long, and it is bounded by a third of the
+/// lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_work_goes_on_while_a_renewal_waits_for_the_database() {
+    let (schema, inbox) = setup().await;
+    let consumer = consumer(&inbox)
+        .with_lease(Duration::from_millis(1500))
+        .unwrap();
+    let claimed = Arc::new(tokio::sync::Notify::new());
+    let locked = Arc::new(tokio::sync::Notify::new());
+    let delivery = {
+        let consumer = consumer.clone();
+        let (claimed, locked) = (claimed.clone(), locked.clone());
+        tokio::spawn(async move {
+            let message = Message::new(Some("heartbeat"));
+            consumer
+                .deliver(
+                    &message,
+                    async move || {
+                        claimed.notify_one();
+                        locked.notified().await;
+                        // A remote call that must be polled every 50 ms: the longest gap
+                        // between two of its ticks is the longest it was left unpolled.
+                        let mut ticks = tokio::time::interval(Duration::from_millis(50));
+                        let mut last = tokio::time::Instant::now();
+                        let mut gap = Duration::ZERO;
+                        for _ in 0..80 {
+                            ticks.tick().await;
+                            gap = gap.max(last.elapsed());
+                            last = tokio::time::Instant::now();
+                        }
+                        Ok::<_, sqlx::Error>(gap)
+                    },
+                    async |c: &mut PgConnection, gap: Duration| {
+                        apply(c, "hb", 1).await.map(|_| gap)
+                    },
+                )
+                .await
+        })
+    };
+    claimed.notified().await;
+    // Another transaction holds the message's row: the renewals wait for its lock.
+    let mut blocker = inbox.pool().begin().await.unwrap();
+    sqlx::query(
+        "SELECT 1 FROM tower_idempotency_processed_messages WHERE message_id = 'heartbeat' \
+         FOR UPDATE",
+    )
+    .execute(&mut *blocker)
+    .await
+    .unwrap();
+    locked.notify_one();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    blocker.rollback().await.unwrap();
+    let outcome = delivery.await.unwrap();
+    let Outcome::Processed(gap) = outcome else {
+        panic!("{outcome:?}");
+    };
+    assert!(
+        gap < Duration::from_millis(1500),
+        "the remote work was left unpolled for {gap:?} while a renewal waited"
+    );
+    done(schema, inbox).await;
+}
+
 #[tokio::test]
 async fn unusable_deliveries_are_rejected_and_settings_refused() {
     let (schema, inbox) = setup().await;

@@ -551,27 +551,57 @@ fn source_chain(e: &StoreError) -> String {
 }
 
 /// Runs `work` while renewing `lease` every third of its length; `None` when the lease was
-/// lost (another worker took the message over), and the work is dropped.
+/// lost (another worker took the message over), and the work is dropped. The work is polled
+/// while a renewal runs too (a remote call's stream must be read, its heartbeats answered,
+/// however slow the database), and each renewal is bounded by a third of the lease: one that
+/// does not answer in time counts as failed, and the next tick tries again.
 async fn keep_alive<F: Future>(lease: &MessageLease, work: F) -> Option<F::Output> {
     // At least a millisecond: a lease of a few nanoseconds must not renew in a busy loop.
     let every = (lease.lease() / 3).max(Duration::from_millis(1));
     let mut work = std::pin::pin!(work);
     let mut next = tokio::time::Instant::now() + every;
     loop {
-        match tokio::time::timeout_at(next, &mut work).await {
-            Ok(out) => return Some(out),
-            Err(_) => {
-                next += every;
-                match lease.renew().await {
-                    Ok(true) => {}
-                    Ok(false) => return None,
-                    // The lease still holds for two thirds of it: try again at the next tick.
-                    Err(e) => tracing::warn!(
-                        error = &e as &dyn std::error::Error,
-                        "could not renew a message lease"
-                    ),
-                }
-            }
+        let tick = tokio::time::sleep_until(next);
+        if let Either::Work(out) = beside(work.as_mut(), tick).await {
+            return Some(out);
+        }
+        next += every;
+        let renewal = tokio::time::timeout(every, lease.renew());
+        match beside(work.as_mut(), renewal).await {
+            Either::Work(out) => return Some(out),
+            Either::Other(Ok(Ok(true))) => {}
+            Either::Other(Ok(Ok(false))) => return None,
+            // The lease still holds for two thirds of it: try again at the next tick.
+            Either::Other(Ok(Err(e))) => tracing::warn!(
+                error = &e as &dyn std::error::Error,
+                "could not renew a message lease"
+            ),
+            Either::Other(Err(_)) => tracing::warn!(
+                "a message lease's renewal did not answer within a third of the lease"
+            ),
         }
     }
+}
+
+/// Which of [`beside`]'s two futures finished first.
+enum Either<W, O> {
+    Work(W),
+    Other(O),
+}
+
+/// Polls `work` and `other` together until one finishes; `work` first, so that work that is
+/// done is never dropped for the other.
+async fn beside<W, O>(mut work: std::pin::Pin<&mut W>, other: O) -> Either<W::Output, O::Output>
+where
+    W: Future,
+    O: Future,
+{
+    let mut other = std::pin::pin!(other);
+    std::future::poll_fn(|cx| {
+        if let std::task::Poll::Ready(out) = work.as_mut().poll(cx) {
+            return std::task::Poll::Ready(Either::Work(out));
+        }
+        other.as_mut().poll(cx).map(Either::Other)
+    })
+    .await
 }
