@@ -180,6 +180,30 @@ async fn the_layer_passes_every_request_check() {
         .unwrap();
 }
 
+/// A first request that never answers, with a `started` signal that never comes (a handler
+/// that does not give it), fails the check at its bound instead of hanging.
+#[tokio::test(start_paused = true)]
+async fn a_first_request_never_answered_nor_seen_running_fails_instead_of_hanging() {
+    let send = async |_: Bytes| std::future::pending::<Answer>().await;
+    let probe = async || 0;
+    let check = duplicates::request_with_first_answer_dropped(
+        &send,
+        Bytes::from_static(b"{}"),
+        std::future::pending::<()>(),
+        &probe,
+        1,
+    );
+    let failure = tokio::time::timeout(Duration::from_secs(3600), check)
+        .await
+        .expect("the check hung")
+        .unwrap_err();
+    assert_eq!(failure.check, "request_with_first_answer_dropped");
+    assert!(
+        failure.detail.contains("neither answered nor seen running"),
+        "{failure}"
+    );
+}
+
 #[tokio::test]
 async fn a_layer_that_fingerprints_raw_bytes_is_caught_by_the_reordered_json_check() {
     let effects = Arc::new(AtomicUsize::new(0));

@@ -300,6 +300,10 @@ where
     sent_twice("request_with_reordered_json", send, body, reordered, probe).await
 }
 
+/// How long [`request_with_first_answer_dropped`] waits for its first request to be answered
+/// or seen running.
+const FIRST_RUN_BOUND: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The request's first answer dropped (the client timed out, the connection broke): the
 /// first send is started and abandoned once `started` completes (a signal your handler or
 /// fake provider gives when the run has begun, e.g. `Notify::notified`), then the request is
@@ -308,7 +312,8 @@ where
 ///
 /// # Errors
 ///
-/// A [`Failure`] when the first request is answered before `started`, the probe does not
+/// A [`Failure`] when the first request is answered before `started`, neither happens
+/// within 30 s, the probe does not
 /// read one, the retry gets a `5xx`, or it is still `409` after `max_retries` retries.
 pub async fn request_with_first_answer_dropped<S, P>(
     send: &S,
@@ -325,13 +330,25 @@ where
     {
         let mut first = std::pin::pin!(send(body.clone()));
         let mut started = std::pin::pin!(started);
-        let answered = poll_fn(|cx| {
-            if first.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(true);
-            }
-            started.as_mut().poll(cx).map(|()| false)
-        })
+        let answered = tokio::time::timeout(
+            FIRST_RUN_BOUND,
+            poll_fn(|cx| {
+                if first.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(true);
+                }
+                started.as_mut().poll(cx).map(|()| false)
+            }),
+        )
         .await;
+        let Ok(answered) = answered else {
+            return Err(fail(
+                CHECK,
+                format!(
+                    "the first request was neither answered nor seen running within \
+                     {FIRST_RUN_BOUND:?}: does `started` complete when the handler runs?"
+                ),
+            ));
+        };
         if answered {
             return Err(fail(
                 CHECK,
