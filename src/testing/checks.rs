@@ -297,13 +297,20 @@ pub async fn tokens_are_never_reused<S: Store>(store: &S) -> Outcome {
     Ok(())
 }
 
-/// `purge_expired` deletes an expired record, and the key is new afterwards.
+/// `purge_expired` deletes an expired record, and the key is new afterwards; a record that
+/// has not expired (completed, and in flight) is kept, its answer replayed and its claim
+/// still held.
 ///
 /// # Errors
 ///
 /// A [`Failure`] when the store does otherwise.
 pub async fn purge_removes_expired_records<S: Store>(store: &S) -> Outcome {
     const CHECK: &str = "purge_removes_expired_records";
+    let live = fresh_key(CHECK)?;
+    let live_token = acquire(CHECK, store, claim(&live, 1)).await?;
+    complete(CHECK, store, &live, live_token, &sample_answer()).await?;
+    let running = fresh_key(CHECK)?;
+    acquire(CHECK, store, claim(&running, 1)).await?;
     let key = fresh_key(CHECK)?;
     let token = acquire(CHECK, store, claim(&key, 1)).await?;
     if !matches!(
@@ -323,7 +330,23 @@ pub async fn purge_removes_expired_records<S: Store>(store: &S) -> Outcome {
     match store.claim(claim(&key, 2)).await {
         Ok(ClaimOutcome::Acquired {
             takeover: false, ..
-        }) => Ok(()),
-        other => fail(CHECK, format!("a claim after the purge gave {other:?}")),
+        }) => {}
+        other => return fail(CHECK, format!("a claim after the purge gave {other:?}")),
+    }
+    match store.claim(claim(&live, 1)).await {
+        Ok(ClaimOutcome::Completed(stored)) if stored == sample_answer() => {}
+        other => {
+            return fail(
+                CHECK,
+                format!("the purge took a record within its TTL: its replay gave {other:?}"),
+            );
+        }
+    }
+    match store.claim(claim(&running, 1)).await {
+        Ok(ClaimOutcome::InFlight { .. }) => Ok(()),
+        other => fail(
+            CHECK,
+            format!("the purge took a claim within its lease: a duplicate gave {other:?}"),
+        ),
     }
 }
