@@ -21,7 +21,9 @@
 //! Messages are JSON `{"account": "<id>", "amount_cents": <int>}` with the AMQP `message_id`
 //! property set by the producer (the same ID on every retry of one logical message). The
 //! consumer prints one line per delivery: `processed <id>`, `duplicate <id>` or
-//! `rejected <id>: <why>`.
+//! `rejected <id>: <why>`. A delivery whose work failed is requeued after a pause that grows
+//! with its failures, and rejected for good after five failures of its own work (the
+//! database's passing failures are not counted).
 
 use std::future::poll_fn;
 use std::pin::Pin;
@@ -36,6 +38,9 @@ use lapin::{Channel, Connection, ConnectionProperties, Consumer};
 use serde::Deserialize;
 use sqlx::PgConnection;
 use tower_idempotency::inbox::{Delivery, Inbox, InboxError};
+
+/// How many times a message's own work may fail before it is rejected for good.
+const MAX_ATTEMPTS: u32 = 5;
 
 /// The consumer group's name in the inbox: the same ID may be processed once per group.
 const CONSUMER: &str = "charges-consumer";
@@ -147,6 +152,8 @@ async fn run() -> Result<(), Error> {
     let (mut channel, mut consumer) = open_channel(&conn, &config.queue).await?;
     println!("consuming {}", config.queue);
     let mut acks_to_lose = config.lose_acks;
+    // Failed attempts of the messages that failed and have not succeeded since.
+    let mut failures: std::collections::HashMap<String, u32> = std::collections::HashMap::new();
 
     loop {
         let next = poll_fn(|cx| Pin::new(&mut consumer).poll_next(cx));
@@ -193,6 +200,7 @@ async fn run() -> Result<(), Error> {
             .await
         {
             Ok(Delivery::Processed(())) => {
+                failures.remove(&id);
                 println!("processed {id}");
                 if acks_to_lose > 0 {
                     // Committed, but the acknowledgement never reaches RabbitMQ: what a crash
@@ -213,9 +221,28 @@ async fn run() -> Result<(), Error> {
                     .await?;
                 continue;
             }
-            // Nothing was committed: requeue, RabbitMQ delivers it again.
+            // Nothing was committed: requeue, RabbitMQ delivers it again, after a pause that
+            // grows with the message's failures (a requeued message comes straight back). A
+            // message whose own work keeps failing is poison: after a few attempts it is
+            // rejected for good (to the queue's dead-letter exchange, if it has one). The
+            // database's passing failures (a deadlock, a failover) are never counted.
             Err(e) => {
-                eprintln!("consumer: {id}: {e}; requeued");
+                let transient = tower_idempotency::inbox::is_transient_database_error(&e);
+                let attempts = failures.entry(id.clone()).or_insert(0);
+                if !transient {
+                    *attempts += 1;
+                }
+                if *attempts >= MAX_ATTEMPTS {
+                    println!("rejected {id}: {e} (failed {MAX_ATTEMPTS} times)");
+                    failures.remove(&id);
+                    delivery
+                        .reject(BasicRejectOptions { requeue: false })
+                        .await?;
+                    continue;
+                }
+                let pause = Duration::from_millis(100 << (*attempts).min(5));
+                eprintln!("consumer: {id}: {e}; requeued in {pause:?}");
+                tokio::time::sleep(pause).await;
                 delivery
                     .reject(BasicRejectOptions { requeue: true })
                     .await?;
