@@ -361,6 +361,51 @@ async fn remote_work_goes_on_while_a_renewal_waits_for_the_database() {
     done(schema, inbox).await;
 }
 
+/// A delivery whose commit the server refuses with a serialization failure (here raised once
+/// by a trigger on the finish of the claim) committed nothing, for sure: its claim is given
+/// back, and the redelivery right after is processed, not `InProgress` until the lease runs
+/// out.
+#[tokio::test]
+async fn a_commit_refused_by_a_serialization_failure_gives_the_claim_back() {
+    let (schema, inbox) = setup().await;
+    sqlx::raw_sql(
+        "CREATE SEQUENCE refusals; -- a sequence: its count survives the rollback it causes
+         CREATE FUNCTION refuse_finish() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF OLD.lease_token IS NOT NULL AND NEW.lease_token IS NULL
+                AND nextval('refusals') = 1 THEN
+                 RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse_finish BEFORE UPDATE ON tower_idempotency_processed_messages
+             FOR EACH ROW EXECUTE FUNCTION refuse_finish();",
+    )
+    .execute(inbox.pool())
+    .await
+    .unwrap();
+    let consumer = consumer(&inbox)
+        .with_lease(Duration::from_secs(60))
+        .unwrap();
+    let message = Message::new(Some("refused"));
+    let deliver = || {
+        consumer.deliver(
+            &message,
+            async || Ok::<_, sqlx::Error>(()),
+            async |c: &mut PgConnection, ()| apply(c, "r", 1).await,
+        )
+    };
+    let first = deliver().await;
+    assert!(
+        matches!(first, Outcome::Failed { attempts: 0, .. }),
+        "{first:?}"
+    );
+    let again = deliver().await;
+    assert_eq!(again, Outcome::Processed(1));
+    assert_eq!(applied(&inbox).await, [1]);
+    done(schema, inbox).await;
+}
+
 #[tokio::test]
 async fn unusable_deliveries_are_rejected_and_settings_refused() {
     let (schema, inbox) = setup().await;

@@ -358,6 +358,13 @@ impl Consumer {
             Err(e @ InboxError::Aborted) => {
                 self.failed(Some(lease), message, id, &e.to_string()).await
             }
+            // The commit's transaction lost a race and was rolled back, for sure: the claim is
+            // given back, so that the redelivery works on the message at once (kept, it would
+            // answer `InProgress` until the lease ran out).
+            Err(InboxError::Store(e)) if super::transient::is_known_rollback(&e) => {
+                release(lease).await;
+                self.unavailable(&InboxError::<()>::Store(e))
+            }
             Err(e) => self.unavailable(&e),
         }
     }

@@ -61,6 +61,22 @@ pub fn is_transient_database_error(error: &(dyn Error + 'static)) -> bool {
     false
 }
 
+/// Whether `error`, or one of its sources, is the server's answer that the transaction was
+/// rolled back by a race (`40001`, `40P01`) or a lock not granted in time (`55P03`): nothing of
+/// it committed, for sure (unlike a cut connection, after which a commit may have landed).
+pub(crate) fn is_known_rollback(error: &(dyn Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(e) = cause {
+        if let Some(sqlx::Error::Database(db)) = e.downcast_ref::<sqlx::Error>() {
+            return db.code().is_some_and(|code| {
+                [SERIALIZATION_FAILURE, DEADLOCK_DETECTED, LOCK_NOT_AVAILABLE].contains(&&*code)
+            });
+        }
+        cause = e.source();
+    }
+    false
+}
+
 /// [`is_transient_database_error`] of one `sqlx::Error`.
 fn is_transient(e: &sqlx::Error) -> bool {
     match e {
