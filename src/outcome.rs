@@ -209,6 +209,31 @@ impl Drop for InFlightGauge {
     }
 }
 
+/// Tries `end` (a claim's release, or the end of its lease) again in the background, from
+/// 100 ms apart to 2 s apart, until it succeeds or `until` (the lease's end) comes: a claim
+/// the store could not end would otherwise turn every retry away with `409` until its lease
+/// ran out, though the store may be back in a moment. Nothing without a runtime (the lease
+/// frees the key then).
+pub(crate) fn end_in_background<F>(until: tokio::time::Instant, mut end: F)
+where
+    F: FnMut() -> std::pin::Pin<Box<dyn Future<Output = bool> + Send>> + Send + 'static,
+{
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        let mut pause = Duration::from_millis(100);
+        while tokio::time::Instant::now() + pause < until {
+            tokio::time::sleep(pause).await;
+            if end().await {
+                tracing::debug!("idempotency claim ended once the store answered again");
+                return;
+            }
+            pause = (pause * 2).min(Duration::from_secs(2));
+        }
+    });
+}
+
 /// A claim lost its key while its handler ran (its lease ran out and another request may
 /// take the key over): the counter `tower_idempotency_leases_lost_total` (feature
 /// `metrics`). Worth an alert: it means renewals failed for most of a lease.

@@ -274,6 +274,15 @@ fn claim_request(key: &IdempotencyKey) -> ClaimRequest<'_> {
     }
 }
 
+/// A schema migrated by `migrate()`, a pool on it, and its [`catalog`].
+async fn fresh_schema() -> (PgSchema, PgPool, Vec<String>) {
+    let fresh = PgSchema::new().await;
+    let pool = fresh.pool(2).await;
+    PostgresStore::new(pool.clone()).migrate().await.unwrap();
+    let catalog = catalog(&pool, &fresh.name).await;
+    (fresh, pool, catalog)
+}
+
 fn schema_error(result: Result<(), StoreError>) -> String {
     match result {
         Err(StoreError::Schema(msg)) => msg,
@@ -334,13 +343,7 @@ async fn a_fresh_schema_is_the_shipped_migrations_and_migrating_again_changes_no
 /// another tool make the same objects.
 #[tokio::test]
 async fn a_schema_at_an_earlier_version_takes_the_later_migrations() {
-    let fresh = PgSchema::new().await;
-    let fresh_pool = fresh.pool(2).await;
-    PostgresStore::new(fresh_pool.clone())
-        .migrate()
-        .await
-        .unwrap();
-    let expected = catalog(&fresh_pool, &fresh.name).await;
+    let (fresh, _fresh_pool, expected) = fresh_schema().await;
 
     let by_hand = PgSchema::new().await;
     let pool = by_hand.pool(2).await;
@@ -401,13 +404,7 @@ async fn a_schema_at_an_earlier_version_takes_the_later_migrations() {
 
 #[tokio::test]
 async fn a_schema_made_by_the_old_migrations_becomes_the_fresh_schema_and_keeps_its_rows() {
-    let fresh = PgSchema::new().await;
-    let fresh_pool = fresh.pool(2).await;
-    PostgresStore::new(fresh_pool.clone())
-        .migrate()
-        .await
-        .unwrap();
-    let expected = catalog(&fresh_pool, &fresh.name).await;
+    let (fresh, fresh_pool, expected) = fresh_schema().await;
     let expected_history = entries(&history(&fresh_pool).await);
 
     let old = PgSchema::new().await;

@@ -292,6 +292,11 @@ async fn forward(client: TcpStream, server: TcpStream, counters: Arc<Counters>) 
 /// A pool of one connection to the test's schema, through `proxy`, without TLS (so the
 /// proxy can read the messages).
 async fn pool_through(proxy: &Proxy, schema: &PgSchema) -> PgPool {
+    pool_of(proxy, schema, 1).await
+}
+
+/// [`pool_through`] with `connections` connections, all open from the start.
+async fn pool_of(proxy: &Proxy, schema: &PgSchema, connections: u32) -> PgPool {
     let opts = PgConnectOptions::from_str(&database_url())
         .unwrap()
         .host("127.0.0.1")
@@ -299,8 +304,8 @@ async fn pool_through(proxy: &Proxy, schema: &PgSchema) -> PgPool {
         .ssl_mode(PgSslMode::Disable)
         .options([("search_path", schema.name.as_str())]);
     PgPoolOptions::new()
-        .max_connections(1)
-        .min_connections(1)
+        .max_connections(connections)
+        .min_connections(connections)
         .acquire_timeout(Duration::from_secs(30))
         .connect_with(opts)
         .await
@@ -854,20 +859,8 @@ async fn a_statement_not_prepared_on_a_connection_is_prepared_there_without_boun
     let setup = schema.pool(2).await;
     PostgresStore::new(setup.clone()).migrate().await.unwrap();
     let proxy = Proxy::start(upstream()).await;
-    let opts = PgConnectOptions::from_str(&database_url())
-        .unwrap()
-        .host("127.0.0.1")
-        .port(proxy.addr.port())
-        .ssl_mode(PgSslMode::Disable)
-        .options([("search_path", schema.name.as_str())]);
     const CONNECTIONS: u32 = 4;
-    let pool = PgPoolOptions::new()
-        .max_connections(CONNECTIONS)
-        .min_connections(CONNECTIONS)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_with(opts)
-        .await
-        .unwrap();
+    let pool = pool_of(&proxy, &schema, CONNECTIONS).await;
     let calls = Calls::default();
     let svc = IdempotencyLayer::new(PostgresStore::new(pool.clone())).layer(handler(calls.clone()));
     let errors = proxy.errors();

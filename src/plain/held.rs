@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::key::IdempotencyKey;
-use crate::outcome::{Operation, lease_lost, log_store_error, store_call};
+use crate::outcome::{Operation, end_in_background, lease_lost, log_store_error, store_call};
 use crate::response::StoredResponse;
 use crate::store::{LeaseToken, Store};
 
@@ -142,28 +142,17 @@ impl<St: Store> Held<St> {
         }
     }
 
-    /// Releases the key. When the store does not answer, tries again in the background
-    /// while the lease lasts: left to its lease, the key would turn every retry away with
-    /// `409` until it ran out, though the store may be back in a moment. (The release is
-    /// fenced by the token: a late one can free nothing but this claim.)
+    /// Releases the key; when the store does not answer, tries again in the background
+    /// while the lease lasts ([`end_in_background`]). The release is fenced by the token: a
+    /// late one can free nothing but this claim.
     pub(super) async fn release(self) {
         if self.try_release(true).await {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        runtime.spawn(async move {
-            let deadline = self.claimed_at + self.lease;
-            let mut pause = Duration::from_millis(100);
-            while Instant::now() + pause < deadline {
-                tokio::time::sleep(pause).await;
-                if self.try_release(false).await {
-                    tracing::debug!("idempotency key released once the store answered again");
-                    return;
-                }
-                pause = (pause * 2).min(Duration::from_secs(2));
-            }
+        let until = self.claimed_at + self.lease;
+        end_in_background(until, move || {
+            let held = self.clone();
+            Box::pin(async move { held.try_release(false).await })
         });
     }
 

@@ -23,8 +23,8 @@ use crate::error::{BoxError, StoreError};
 use crate::lease::Lease;
 use crate::mode::Sealed;
 use crate::outcome::{
-    InFlightGauge, Operation, Outcome, acquired_or_taken, lease_lost, log_store_error, record,
-    store_call,
+    InFlightGauge, Operation, Outcome, acquired_or_taken, end_in_background, lease_lost,
+    log_store_error, record, store_call,
 };
 use crate::rejection::Rejection;
 use crate::request::{Keyed, Prepared, prepare};
@@ -69,25 +69,12 @@ async fn abandon(phases: &Phases, notify: Option<i64>) {
     if end_claim(phases, notify, release, true).await {
         return;
     }
-    // The store did not answer. Left to its lease, the key would turn every retry away with
-    // `409` until it ran out, though the store may be back in a moment: go on trying in the
-    // background while the lease lasts (the statement is fenced by the token, so a late one
-    // can end nothing but this claim).
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
+    // The store did not answer: go on trying while the lease lasts (the statement is fenced
+    // by the token, so a late one can end nothing but this claim).
     let phases = phases.clone();
-    runtime.spawn(async move {
-        let deadline = Instant::now() + phases.inner.lease;
-        let mut pause = Duration::from_millis(100);
-        while Instant::now() + pause < deadline {
-            tokio::time::sleep(pause).await;
-            if end_claim(&phases, notify, release, false).await {
-                tracing::debug!("idempotency claim ended once the store answered again");
-                return;
-            }
-            pause = (pause * 2).min(Duration::from_secs(2));
-        }
+    end_in_background(Instant::now() + phases.inner.lease, move || {
+        let phases = phases.clone();
+        Box::pin(async move { end_claim(&phases, notify, release, false).await })
     });
 }
 
