@@ -64,6 +64,26 @@ use std::time::Duration;
 
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 
+/// Begins a transaction on `pool`, in a task of its own. sqlx's `begin`, dropped while its
+/// `BEGIN` is on its way (a delivery cancelled, a timeout around it), gives the connection
+/// back to the pool with the transaction the server opened meanwhile still open; every
+/// statement the pool sends on it after that runs in a transaction nobody ends, holding its
+/// locks. In a task the `BEGIN` runs to its end whatever happens to the caller, and a
+/// transaction nobody takes is rolled back as any dropped one is. Without a runtime it runs
+/// in place.
+pub(crate) async fn begin(
+    pool: &PgPool,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return pool.begin().await;
+    };
+    let pool = pool.clone();
+    runtime
+        .spawn(async move { pool.begin().await })
+        .await
+        .unwrap_or(Err(sqlx::Error::WorkerCrashed))
+}
+
 mod commit;
 mod consumer;
 mod daily;
@@ -328,7 +348,7 @@ impl Inbox {
         };
         let mut attempts = 0;
         let mut tx = loop {
-            let mut tx = self.pool.begin().await.map_err(db_error)?;
+            let mut tx = begin(&self.pool).await.map_err(db_error)?;
             // Waits only if another transaction inserted the same ID (or moved the key's
             // position) and has not ended yet. Sent over the simple protocol (no prepared
             // statement: see `crate::store::sql`).

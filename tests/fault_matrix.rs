@@ -168,7 +168,8 @@ impl Cell {
             .acquire_timeout(Duration::from_secs(10))
             .connect_with(
                 opts.host(&proxy.addr().ip().to_string())
-                    .port(proxy.addr().port()),
+                    .port(proxy.addr().port())
+                    .application_name(&schema.name),
             )
             .await
             .unwrap();
@@ -833,4 +834,40 @@ async fn a_phased_claim_the_store_could_not_end_is_ended_once_it_answers_again()
         "WITH done AS (UPDATE tower_idempotency_keys",
     )
     .await;
+}
+
+/// A delivery dropped while the `BEGIN` of its transaction is on its way leaves no
+/// connection inside a transaction: sqlx's `begin`, dropped before the server's answer,
+/// gives the connection back to the pool with the transaction open (the server ran the
+/// `BEGIN`), and every statement sent on it after that runs in a transaction nobody ends,
+/// holding its locks (the next delivery of the message waited for them for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_dropped_during_its_begin_leaves_no_transaction_open() {
+    let cell = Cell::start(Mode::Deliver).await;
+    cell.proxy.arm(
+        Point {
+            label: "BEGIN".to_owned(),
+            nth: 0,
+        },
+        Fault::Hold,
+    );
+    tokio::select! {
+        outcome = cell.deliver() => panic!("the delivery answered through a held BEGIN: {outcome:?}"),
+        () = cell.proxy.hit() => {}
+    }
+    cell.proxy.heal();
+    // The connection goes back to the pool once the held answer arrives.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let open = cell
+        .scalar(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = '{}' \
+             AND state LIKE 'idle in transaction%'",
+            cell.schema.name
+        ))
+        .await;
+    assert_eq!(open, 0, "a pooled connection was left inside a transaction");
+    // And the message is delivered in the end, once.
+    let outcome = check_delivery(&cell, Mode::Deliver, &Err("dropped".to_owned())).await;
+    assert!(outcome.is_ok(), "{outcome:?}");
+    cell.cleanup().await;
 }

@@ -418,7 +418,7 @@ impl DailyInbox {
                 Lit::Int(millis(self.lock_timeout)),
             ],
         )?;
-        let mut tx = self.pool.begin().await.map_err(db_error)?;
+        let mut tx = super::begin(&self.pool).await.map_err(db_error)?;
         let (recorded, dropped) = match sqlx::raw_sql(AssertSqlSafe(record))
             .fetch_all(&mut *tx)
             .await

@@ -122,7 +122,7 @@ pub(super) async fn park_unclaimed(
     message_id: &str,
     payload: Option<&[u8]>,
 ) -> Result<bool, StoreError> {
-    let mut tx = inbox.pool.begin().await.map_err(db_error)?;
+    let mut tx = super::begin(&inbox.pool).await.map_err(db_error)?;
     let sql = fill(RECORD_PARKED, &[Lit::Text(consumer), Lit::Text(message_id)])?;
     let recorded = sqlx::raw_sql(AssertSqlSafe(sql))
         .fetch_optional(&mut *tx)

@@ -352,7 +352,7 @@ impl MessageLease {
             let Some((key, position)) = order else {
                 break self.finish().await?;
             };
-            let mut tx = self.inbox.pool.begin().await.map_err(db_error)?;
+            let mut tx = super::begin(&self.inbox.pool).await.map_err(db_error)?;
             let [consumer, id, token] = self.args();
             let sql = fill(
                 FINISH_AT,
@@ -398,7 +398,7 @@ impl MessageLease {
     pub(super) async fn finish<E>(
         &self,
     ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, String), InboxError<E>> {
-        let mut tx = self.inbox.pool.begin().await.map_err(db_error)?;
+        let mut tx = super::begin(&self.inbox.pool).await.map_err(db_error)?;
         // Over the simple protocol: one round trip (see `commit_unless_aborted_by`).
         let sql = fill(FINISH, &self.args())?;
         let finished = sqlx::raw_sql(AssertSqlSafe(sql))

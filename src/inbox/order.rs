@@ -190,7 +190,7 @@ impl Inbox {
         check_key(key)?;
         let mut attempts = 0;
         let mut tx = loop {
-            let tx = self.pool.begin().await.map_err(db_error)?;
+            let tx = super::begin(&self.pool).await.map_err(db_error)?;
             match advance_in(tx, consumer, (key, position), &mut attempts).await? {
                 Moved::Go(tx) => break tx,
                 Moved::Stale(tx) => {
