@@ -720,7 +720,15 @@ async fn a_hung_handler_is_stopped_at_the_handler_timeout_and_its_key_freed() {
         "the hung handler's write was rolled back"
     );
     assert_eq!(fx.keys().await, 0, "the key is free");
+    // A connection given back goes to the pool's idle list in a task (after a ping): wait
+    // for it, a bounded while.
     let pool = fx.store.pool();
+    for _ in 0..100 {
+        if pool.size() as usize == pool.num_idle() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(
         pool.size() as usize,
         pool.num_idle(),
